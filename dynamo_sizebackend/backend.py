@@ -1,0 +1,215 @@
+"""The ``sizebackend`` Dynamo backend: split, compile per size, hand back a Runner.
+
+Registered through the ``torch_dynamo_backends`` entry point (see setup.py). This module
+must not call ``register_backend`` itself: torch loads the entry point lazily and would
+then see the name twice ("duplicate name").
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from typing import Any
+
+import torch
+import torch.fx
+
+from . import compat
+from .compiler import CompiledPiece, compile_piece, make_adaptor, size_key
+from .dispatch import Program, Runner, generated_forward
+from .options import OptionError, SizeBackendOptions, parse_options
+from .shapes import ConcreteInputs, find_batch
+from .splitting import OpMatcher, SplitGraph, split
+from .stats import COUNTERS
+
+log = logging.getLogger(__name__)
+
+
+class _Recorder(torch.fx.Interpreter):
+    """Runs the split graph on Dynamo's fake inputs and records each piece's inputs."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        super().__init__(gm)
+        self.inputs: dict[str, tuple[Any, ...]] = {}
+
+    def call_module(self, target, args, kwargs):
+        self.inputs[target] = args
+        return super().call_module(target, args, kwargs)
+
+
+class GraphCompiler:
+    """Compiles one Dynamo graph into a :class:`Runner`; keeps nothing after that except
+    what lazy and background compiles of listed sizes need."""
+
+    def __init__(self, options: SizeBackendOptions, graph_id: int):
+        self.options = options
+        self.graph_id = graph_id
+        self.adaptor = make_adaptor(options)
+        self._warned: set[str] = set()
+
+    def _fallback(self, key: str, what: str, error: Exception) -> None:
+        COUNTERS.add_keyed("fallbacks", key)
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(
+                "sizebackend: graph %d: %s failed to compile for size %s (%s: %s); %s",
+                self.graph_id, what, key, type(error).__name__, error,
+                "running it uncompiled" if key in ("dynamic", "static") else
+                "serving that size with the general pieces",
+            )
+
+    def _compile(self, name: str, gm, inputs, size, key, fake_mode=None) -> CompiledPiece:
+        return compile_piece(
+            self.adaptor, gm, list(inputs), size, key=key, fake_mode=fake_mode,
+            debug_dir=self.options.debug_dir, debug_name=f"graph{self.graph_id}_{name}",
+        )
+
+    def compile_general(self, sg: SplitGraph, inputs: dict[str, tuple], key: str) -> Program:
+        pieces: dict[str, CompiledPiece] = {}
+        for piece in sg.pieces:
+            sub = getattr(sg.gm, piece.name)
+            if piece.is_split_op:
+                pieces[piece.name] = sub.forward
+                continue
+            try:
+                pieces[piece.name] = self._compile(piece.name, sub, inputs[piece.name], None, key)
+            except compat.dynamo_control_flow():
+                raise
+            except Exception as e:  # counted, logged, visible in stats; strict re-raises
+                if self.options.strict:
+                    raise
+                self._fallback(key, piece.name, e)
+                pieces[piece.name] = sub.forward
+        return Program(key, pieces)
+
+    def compile_size(
+        self, sg: SplitGraph, inputs: dict[str, tuple], symbol, size: int, general: Program
+    ) -> Program | None:
+        """Specialized pieces for ``size``, or ``None`` if any piece failed (the size is
+        then served by the general pieces: a half-specialized program buys nothing)."""
+        key = size_key(size)
+        concrete = ConcreteInputs(symbol, size)
+        pieces: dict[str, CompiledPiece] = {}
+        for piece in sg.pieces:
+            if piece.is_split_op:
+                pieces[piece.name] = getattr(general, piece.name)
+                continue
+            sub = getattr(sg.gm, piece.name)
+            try:
+                example = concrete.convert(inputs[piece.name])
+                pieces[piece.name] = self._compile(
+                    piece.name, sub, example, size, key, fake_mode=concrete.fake_mode
+                )
+            except Exception as e:  # counted, logged, visible in stats; strict re-raises
+                if self.options.strict:
+                    raise
+                self._fallback(key, piece.name, e)
+                return None
+        return Program(key, pieces)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Runner:
+        batch = find_batch(gm, self.options.batch_dim)
+        sg = split(gm, OpMatcher(self.options.splitting_ops))
+
+        fakes = [compat.placeholder_example(n) for n in gm.graph.nodes if n.op == "placeholder"]
+        fake_mode = compat.graph_fake_mode(fakes)
+        recorder = _Recorder(sg.gm)
+        with fake_mode:
+            recorder.run(*fakes)
+
+        forward = generated_forward(sg.gm)
+        static = batch is None or batch.symbol is None
+        if static:  # pieces specialized for the one size this graph was traced at
+            key = str(batch.static_size) if batch is not None else "static"
+        else:
+            key = "dynamic"
+        general = self.compile_general(sg, recorder.inputs, key)
+        # Counted only now: Dynamo may restart analysis from inside the first compile.
+        COUNTERS.add("graphs")
+        COUNTERS.add("pieces", len(sg.compiled_pieces))
+        COUNTERS.add("splits", len(sg.pieces) - len(sg.compiled_pieces))
+        if static:
+            log.info("sizebackend: graph %d has no symbolic batch size; compiled once", self.graph_id)
+            return Runner(forward, general, {}, None, 0)
+
+        sizes = list(self.options.compile_sizes)
+        symbol = batch.symbol
+
+        def compile_size(size: int) -> Program | None:
+            return self.compile_size(sg, recorder.inputs, symbol, size, general)
+
+        mode = self.options.compile_mode
+        by_size: dict[int, Program] = {}
+        if mode == "eager":
+            for size in sizes:
+                program = compile_size(size)
+                if program is not None:
+                    by_size[size] = program
+        runner = Runner(
+            forward, general, by_size, batch.arg_index, batch.dim,
+            pending=set(sizes) if mode == "lazy" else None, compile_size=compile_size,
+        )
+        if mode == "background" and sizes:
+            _start_background(runner, sizes, compile_size)
+        return runner
+
+
+_LIVE_JOBS: "weakref.WeakSet[_BackgroundJob]" = weakref.WeakSet()
+
+
+class _BackgroundJob(threading.Thread):
+    """Compiles listed sizes one by one and publishes each as it is ready."""
+
+    def __init__(self, runner: Runner, sizes: list[int], compile_size):
+        super().__init__(name="sizebackend-background-compile", daemon=True)
+        self.runner = runner
+        self.sizes = sizes
+        self.compile_size = compile_size
+        self.cancelled = threading.Event()
+        self.grad_enabled = torch.is_grad_enabled()  # grad mode is thread-local
+
+    def run(self) -> None:
+        with torch.set_grad_enabled(self.grad_enabled):
+            for size in self.sizes:
+                if self.cancelled.is_set():
+                    return
+                program = self.compile_size(size)
+                if program is not None and not self.cancelled.is_set():
+                    self.runner.publish(size, program)
+
+
+def _start_background(runner: Runner, sizes: list[int], compile_size) -> None:
+    job = _BackgroundJob(runner, sizes, compile_size)
+    _LIVE_JOBS.add(job)
+    runner.background = job
+    job.start()
+
+
+_graph_counter = iter(range(1 << 62))
+
+
+def sizebackend(
+    gm: torch.fx.GraphModule, example_inputs: list[Any], options: Any = None, mode: Any = None
+):
+    """Dynamo backend entry point: ``torch.compile(m, backend="sizebackend", options=...)``."""
+    if mode not in (None, "default"):
+        raise OptionError(
+            f"sizebackend does not take torch.compile(mode=...); pass Inductor settings as "
+            f"options={{'inductor_options': {{...}}}} (got mode={mode!r})"
+        )
+    opts = parse_options(options)
+    if opts.cudagraphs and not torch.cuda.is_available():
+        raise OptionError(
+            "sizebackend option 'cudagraphs': CUDA graphs need a CUDA device and none is "
+            "available (got True)"
+        )
+    return GraphCompiler(opts, next(_graph_counter))(gm, example_inputs)
+
+
+def _reset() -> None:
+    """Called by ``torch._dynamo.reset()``: stop background compiles of dropped graphs."""
+    for job in list(_LIVE_JOBS):
+        job.cancelled.set()
+
+
+sizebackend.reset = _reset  # type: ignore[attr-defined]

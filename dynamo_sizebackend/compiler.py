@@ -1,0 +1,110 @@
+"""The compiler adaptor: turn one piece into a callable, for the general shape or one size.
+
+One small interface, ``compile(gm, example_inputs, runtime_size)``, where ``runtime_size``
+``None`` means the general (symbolic) shape. Two implementations: Inductor, and Eager
+(the piece's own forward, for debugging and for tests of the splitting/dispatch logic).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Callable, Protocol
+
+import torch.fx
+
+from . import compat
+from .options import SizeBackendOptions
+from .stats import COUNTERS
+
+log = logging.getLogger(__name__)
+dump_log = logging.getLogger(__name__ + ".dump")
+
+CompiledPiece = Callable[..., Any]
+
+
+class CompilerAdaptor(Protocol):
+    name: str
+
+    def compile(
+        self,
+        gm: torch.fx.GraphModule,
+        example_inputs: list[Any],
+        runtime_size: int | None,
+        fake_mode: Any = None,
+    ) -> CompiledPiece:
+        """Compile ``gm`` (not mutated). ``runtime_size=None``: the general shape, called
+        inside Dynamo's tracing context with its fake inputs. Otherwise ``example_inputs``
+        are concrete fake tensors made in ``fake_mode``; nothing runs to compile them."""
+        ...
+
+
+class EagerAdaptor:
+    name = "eager"
+
+    def compile(self, gm, example_inputs, runtime_size, fake_mode=None) -> CompiledPiece:
+        return gm.forward
+
+
+class InductorAdaptor:
+    name = "inductor"
+
+    def __init__(self, inductor_options: dict[str, Any]):
+        self.inductor_options = dict(inductor_options)
+
+    def compile(self, gm, example_inputs, runtime_size, fake_mode=None) -> CompiledPiece:
+        return compat.standalone_compile(
+            gm,
+            example_inputs,
+            from_graph=runtime_size is None,
+            inductor_options=self.inductor_options,
+            fake_mode=fake_mode,
+        )
+
+
+def make_adaptor(options: SizeBackendOptions) -> CompilerAdaptor:
+    if options.compiler == "eager":
+        return EagerAdaptor()
+    return InductorAdaptor(options.inductor_options)
+
+
+def size_key(runtime_size: int | None) -> str:
+    """The stats key of a runtime size: ``"dynamic"`` for the general shape."""
+    return "dynamic" if runtime_size is None else str(runtime_size)
+
+
+def compile_piece(
+    adaptor: CompilerAdaptor,
+    gm: torch.fx.GraphModule,
+    example_inputs: list[Any],
+    runtime_size: int | None,
+    *,
+    key: str | None = None,
+    fake_mode: Any = None,
+    debug_dir: str | None = None,
+    debug_name: str = "piece",
+) -> CompiledPiece:
+    """Compile one piece through ``adaptor``, counting and timing it."""
+    key = key or size_key(runtime_size)
+    before = set(compat.loaded_code_paths()) if debug_dir else None
+    start = time.perf_counter()
+    compiled = adaptor.compile(gm, example_inputs, runtime_size, fake_mode)
+    elapsed = time.perf_counter() - start
+    COUNTERS.add_keyed("compiles", key)
+    COUNTERS.add_seconds(elapsed)
+    log.debug("compiled %s for size %s with %s in %.2fs", debug_name, key, adaptor.name, elapsed)
+    if debug_dir:
+        _dump(debug_dir, f"{debug_name}_{key}", gm, before)
+    return compiled
+
+
+def _dump(debug_dir: str, stem: str, gm: torch.fx.GraphModule, before: set[str] | None) -> None:
+    """Write the piece's graph and any code Inductor loaded while compiling it."""
+    os.makedirs(debug_dir, exist_ok=True)
+    with open(os.path.join(debug_dir, f"{stem}.graph.py"), "w") as f:
+        f.write(gm.print_readable(print_output=False))
+    new = [p for p in compat.loaded_code_paths() if p not in (before or set())]
+    for i, path in enumerate(new):
+        with open(path) as src, open(os.path.join(debug_dir, f"{stem}.code{i}.py"), "w") as dst:
+            dst.write(src.read())
+    dump_log.debug("wrote %s (%d code files) to %s", stem, len(new), debug_dir)

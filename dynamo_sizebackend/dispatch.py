@@ -1,0 +1,95 @@
+"""Runtime dispatch: per call, read the batch size and run the matching set of pieces.
+
+The split graph's forward is generated once as plain Python (FX codegen) and bound to a
+*program*: an object whose ``submod_N`` attributes are the compiled pieces for one runtime
+size (or the general ones). A call is then: read one dim, one dict lookup, one counter
+bump, and the generated forward; no FX interpreter on the hot path. Programs are never
+mutated after they are published, so concurrent callers need no lock; a compile that
+finishes later (lazy/background) publishes a new program with one dict assignment.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Mapping
+
+import torch.fx
+
+from .stats import COUNTERS
+
+log = logging.getLogger(__name__)
+
+
+class Program:
+    """The pieces of one runtime size, bound to the split graph's generated forward."""
+
+    def __init__(self, key: str, pieces: Mapping[str, Callable[..., Any]]):
+        self.key = key
+        for name, fn in pieces.items():
+            setattr(self, name, fn)
+
+
+def generated_forward(split_gm: torch.fx.GraphModule) -> Callable[..., Any]:
+    """``forward(program, *args)`` of ``split_gm`` as a plain function."""
+    code = split_gm.graph.python_code(root_module="self")
+    namespace = dict(code.globals)
+    exec(compile(code.src, f"<sizebackend split graph {id(split_gm):x}>", "exec"), namespace)
+    return namespace["forward"]
+
+
+class Runner:
+    """The callable handed back to Dynamo for one graph.
+
+    ``by_size`` maps a listed size to its program once it is compiled; ``pending`` holds
+    listed sizes still to compile (lazy mode), compiled on first sight by ``compile_size``
+    while the triggering call waits. Any other size runs ``general``.
+    """
+
+    def __init__(
+        self,
+        forward: Callable[..., Any],
+        general: Program,
+        by_size: dict[int, Program],
+        arg_index: int | None,
+        dim: int,
+        pending: set[int] | None = None,
+        compile_size: Callable[[int], Program | None] | None = None,
+    ):
+        self._forward = forward
+        self._general = general
+        self._by_size = by_size
+        self._arg_index = arg_index
+        self._dim = dim
+        self._pending = pending or set()
+        self._compile_size = compile_size
+        self._lock = threading.Lock()
+        self.background: threading.Thread | None = None
+
+    def publish(self, size: int, program: Program) -> None:
+        """Make ``program`` serve ``size`` from the next call on (atomic under the GIL)."""
+        self._by_size[size] = program
+
+    def batch_size(self, args: tuple[Any, ...]) -> int | None:
+        if self._arg_index is None:
+            return None
+        return args[self._arg_index].shape[self._dim]
+
+    def _compile_pending(self, size: int) -> Program:
+        with self._lock:
+            program = self._by_size.get(size)
+            if program is None and size in self._pending:
+                self._pending.discard(size)
+                program = self._compile_size(size) if self._compile_size else None
+                if program is not None:
+                    self._by_size[size] = program
+        return program or self._general
+
+    def __call__(self, *args: Any) -> Any:
+        program = self._general
+        if self._arg_index is not None:
+            size = args[self._arg_index].shape[self._dim]
+            program = self._by_size.get(size)
+            if program is None:
+                program = self._compile_pending(size) if size in self._pending else self._general
+        COUNTERS.add_keyed("calls", program.key)
+        return self._forward(program, *args)

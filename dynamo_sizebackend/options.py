@@ -1,0 +1,210 @@
+"""Options: one frozen, validated dataclass and the parser that builds it.
+
+``torch.compile(..., options=...)`` hands the backend either a dict or, in the form the
+vLLM seed introduced on its command line, a string holding a Python dict literal
+(``"{'compile_sizes': [1, 2, 4]}"``). Both go through :func:`parse_options`, which rejects
+unknown keys (naming the nearest valid one) instead of dropping them: a typo in
+``compile_size`` must never silently compile nothing.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from . import compat
+
+#: SDPA in every form Dynamo or AOTAutograd can put in a graph, and our own op.
+DEFAULT_SPLITTING_OPS: tuple[str, ...] = (
+    "torch.nn.functional.scaled_dot_product_attention",
+    "aten::scaled_dot_product_attention",
+    "aten::_scaled_dot_product_flash_attention",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_cudnn_attention",
+    "sizebackend::attention",
+)
+
+#: vLLM's capture sizes: 1, 2, 4 and every multiple of 8 up to 256.
+DEFAULT_CUDAGRAPH_SIZES: tuple[int, ...] = (1, 2, 4) + tuple(range(8, 257, 8))
+
+#: A size above this is almost certainly a mistake (a token count typed as a byte count).
+MAX_SIZE = 1 << 20
+
+COMPILERS = ("inductor", "eager")
+COMPILE_MODES = ("eager", "lazy", "background")
+
+
+def _default_cache_dir() -> str | None:
+    env = os.environ.get("SIZEBACKEND_CACHE_DIR")
+    if env is not None:
+        return None if env.lower() in ("", "none", "off") else env
+    return os.path.join(os.path.expanduser("~"), ".cache", "dynamo_sizebackend")
+
+
+class OptionError(ValueError, compat.user_error_base()):
+    """A bad option. A ``ValueError`` that Dynamo passes through to the caller unwrapped."""
+
+    def __init__(self, message: str):
+        ValueError.__init__(self, message)
+        self.first_useful_frame = None
+
+
+def _fail(key: str, value: Any, why: str) -> OptionError:
+    return OptionError(f"sizebackend option {key!r}: {why} (got {value!r})")
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int subclass; True is never a batch size.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _sizes(key: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise _fail(key, value, "must be a list of positive ints")
+    for size in value:
+        if not _is_int(size) or size <= 0:
+            raise _fail(key, value, f"every size must be a positive int, {size!r} is not")
+        if size > MAX_SIZE:
+            raise _fail(key, value, f"size {size} is larger than the maximum {MAX_SIZE}")
+    return tuple(sorted(set(value)))
+
+
+@dataclass(frozen=True)
+class SizeBackendOptions:
+    """Validated options of one ``torch.compile(backend="sizebackend")`` call."""
+
+    compile_sizes: tuple[int, ...] = ()
+    """Batch sizes to compile specialized pieces for; sorted and de-duplicated."""
+
+    splitting_ops: tuple[str, ...] = DEFAULT_SPLITTING_OPS
+    """Ops to split the graph at (``ns::op``, ``ns::op.overload`` or a Python qualified
+    name). They run eagerly between the compiled pieces."""
+
+    batch_dim: tuple[int, int] | None = None
+    """``(input_index, dim)``: the batch dim is ``dim`` of the ``input_index``-th tensor
+    argument of the traced function. ``None``: dim 0 of the first argument whose dim 0 is
+    symbolic."""
+
+    compiler: str = "inductor"
+    """``"inductor"`` or ``"eager"`` (pieces run uncompiled; for debugging and tests)."""
+
+    inductor_options: Mapping[str, Any] = field(default_factory=dict)
+    """Inductor config patches applied to every piece compile (scoped, never global)."""
+
+    compile_mode: str = "eager"
+    """When specialized pieces are compiled: ``"eager"`` when the graph arrives,
+    ``"lazy"`` on the first call of that size, ``"background"`` in a thread while the
+    general pieces serve."""
+
+    cudagraphs: bool = False
+    """Capture CUDA graphs per piece and size (GPU only)."""
+
+    cudagraph_sizes: tuple[int, ...] = DEFAULT_CUDAGRAPH_SIZES
+    """Sizes to capture. With cudagraphs on, compile sizes not listed here are dropped
+    with a warning (a batch that is padded to a capture size never runs at its own)."""
+
+    cudagraph_warmups: int = 1
+    """Eager runs of a piece at a size before it is captured."""
+
+    pad_to_size: bool = False
+    """Pad a batch up to the next listed size and slice outputs back. Only valid for
+    models whose batch rows are independent."""
+
+    strict: bool = False
+    """Raise when a size fails to compile instead of serving it with the general pieces."""
+
+    cache_dir: str | None = field(default_factory=_default_cache_dir)
+    """On-disk artifact cache; ``None`` disables it."""
+
+    debug_dir: str | None = None
+    """Write each piece's graph and generated code here."""
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        set_("compile_sizes", _sizes("compile_sizes", self.compile_sizes))
+        set_("cudagraph_sizes", _sizes("cudagraph_sizes", self.cudagraph_sizes))
+
+        ops = self.splitting_ops
+        if isinstance(ops, str) or not isinstance(ops, (list, tuple)):
+            raise _fail("splitting_ops", ops, "must be a list of op names")
+        for op in ops:
+            if not isinstance(op, str) or not op.strip():
+                raise _fail("splitting_ops", ops, f"every entry must be an op name, {op!r} is not")
+        set_("splitting_ops", tuple(dict.fromkeys(ops)))
+
+        bd = self.batch_dim
+        if bd is not None:
+            if (
+                not isinstance(bd, (list, tuple))
+                or len(bd) != 2
+                or not all(_is_int(v) and v >= 0 for v in bd)
+            ):
+                raise _fail("batch_dim", bd, "must be None or [input_index, dim] of two ints >= 0")
+            set_("batch_dim", (bd[0], bd[1]))
+
+        if self.compiler not in COMPILERS:
+            raise _fail("compiler", self.compiler, f"must be one of {list(COMPILERS)}")
+        if self.compile_mode not in COMPILE_MODES:
+            raise _fail("compile_mode", self.compile_mode, f"must be one of {list(COMPILE_MODES)}")
+        if not isinstance(self.inductor_options, Mapping) or not all(
+            isinstance(k, str) for k in self.inductor_options
+        ):
+            raise _fail("inductor_options", self.inductor_options, "must be a dict of str keys")
+        set_("inductor_options", dict(self.inductor_options))
+        for name in ("cudagraphs", "pad_to_size", "strict"):
+            if not isinstance(getattr(self, name), bool):
+                raise _fail(name, getattr(self, name), "must be True or False")
+        if not _is_int(self.cudagraph_warmups) or self.cudagraph_warmups < 0:
+            raise _fail("cudagraph_warmups", self.cudagraph_warmups, "must be an int >= 0")
+        for name in ("cache_dir", "debug_dir"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (str, os.PathLike)) or not str(value)):
+                raise _fail(name, value, "must be a path or None")
+            if value is not None:
+                set_(name, os.path.expanduser(str(value)))
+
+    def __hash__(self) -> int:  # inductor_options is a dict; hash what defines code
+        return hash(self.code_key())
+
+    def code_key(self) -> str:
+        """The options that change generated code, as a stable string (cache keys)."""
+        return repr((self.compiler, sorted(self.inductor_options.items()), self.splitting_ops))
+
+
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(SizeBackendOptions))
+
+
+def parse_options(options: Any) -> SizeBackendOptions:
+    """Build :class:`SizeBackendOptions` from ``None``, a dict, or a dict-literal string.
+
+    Strings are read with :func:`ast.literal_eval`, never ``eval``.
+    """
+    if isinstance(options, SizeBackendOptions):
+        return options
+    if options is None:
+        return SizeBackendOptions()
+    if isinstance(options, str):
+        try:
+            parsed = ast.literal_eval(options.strip())
+        except (ValueError, SyntaxError, MemoryError, RecursionError) as e:
+            raise OptionError(
+                f"sizebackend options string is not a Python dict literal: {options!r} ({e})"
+            ) from None
+        options = parsed
+    if not isinstance(options, Mapping):
+        raise OptionError(
+            f"sizebackend options must be a dict or a string holding a dict literal, "
+            f"got {type(options).__name__}: {options!r}"
+        )
+    for key in options:
+        if key not in OPTION_NAMES:
+            near = difflib.get_close_matches(str(key), OPTION_NAMES, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise OptionError(
+                f"sizebackend: unknown option {key!r}{hint} Valid options: {', '.join(OPTION_NAMES)}"
+            )
+    return SizeBackendOptions(**options)
