@@ -132,8 +132,15 @@ class GraphCompiler:
             log.info("sizebackend: graph %d has no symbolic batch size; compiled once", self.graph_id)
             return Runner(forward, general, {}, None, 0)
 
-        sizes = list(self.options.compile_sizes)
         symbol = batch.symbol
+        lower, upper = compat.symbol_range(fake_mode, symbol)
+        sizes = [n for n in self.options.compile_sizes if n >= lower and (upper is None or n <= upper)]
+        if len(sizes) < len(self.options.compile_sizes):
+            log.info(
+                "sizebackend: graph %d: sizes %s are outside the batch range [%s, %s] this graph "
+                "can see (Dynamo sends them to graphs of their own); not compiling them here",
+                self.graph_id, sorted(set(self.options.compile_sizes) - set(sizes)), lower, upper,
+            )
 
         def compile_size(size: int) -> Program | None:
             return self.compile_size(sg, recorder.inputs, symbol, size, general)

@@ -45,6 +45,31 @@ def is_user_input(node: torch.fx.Node) -> bool:
     return True
 
 
+def argument_order_key(node: torch.fx.Node) -> tuple[int, ...]:
+    """Sort key placing a user-input placeholder at its position in the traced function's
+    signature. Dynamo orders placeholders by first use, not by argument order, so this
+    reads the local's name from the placeholder's source and looks it up in the root
+    frame's argument names (``x`` of ``forward(self, scale, x)`` sorts after ``scale``;
+    ``args[1]`` after ``args[0]``)."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    indices: list[int] = []
+    while source is not None and type(source).__name__ != "LocalSource":
+        index = getattr(source, "index", None)
+        if isinstance(index, int):
+            indices.insert(0, index)
+        source = getattr(source, "base", None)
+    if source is None:
+        return (1 << 30,)
+    ctx = torch._guards.TracingContext.try_get()
+    codes = getattr(ctx, "traced_code", None) or []
+    if codes:
+        code = codes[0]
+        names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount + 2]
+        if source.local_name in names:
+            return (names.index(source.local_name), *indices)
+    return (1 << 29, *indices)
+
+
 def graph_fake_mode(values: Sequence[Any]):
     """The fake mode Dynamo traced the graph in (the one of its placeholders' fakes).
 
@@ -91,6 +116,18 @@ def hint_of_symbol(value: Any, symbol) -> int:
     env = value.node.shape_env
     table = getattr(env, "backed_var_to_val", None)
     return int((table if table is not None else env.var_to_val)[symbol])
+
+
+def symbol_range(fake_mode, symbol) -> tuple[int, int | None]:
+    """The values Dynamo's guards allow for ``symbol`` (with 0/1 specialization the batch
+    symbol starts at 2: sizes 0 and 1 arrive as graphs of their own)."""
+    vr = fake_mode.shape_env.var_to_range.get(symbol)
+    if vr is None:
+        return 0, None
+    def finite(bound) -> int | None:
+        return int(bound) if getattr(bound, "is_Integer", False) else None
+
+    return finite(vr.lower) or 0, finite(vr.upper)
 
 
 def standalone_compile(

@@ -50,8 +50,9 @@ def _as_symbol(value: Any) -> sympy.Symbol | None:
 def find_batch(gm: torch.fx.GraphModule, batch_dim: tuple[int, int] | None) -> BatchInfo | None:
     """Locate the batch dim of ``gm``; ``None`` if the graph has no tensor input at all.
 
-    Default: dim 0 of the first user-input tensor whose dim 0 is a plain symbol; then of
-    any tensor input (parameters included); else the graph is static.
+    User inputs are the tensor arguments of the traced function, in signature order.
+    Default: dim 0 of the first user input whose dim 0 is a plain symbol; then of any
+    tensor input (parameters included); else the graph is static.
     ``batch_dim=(i, d)``: dim ``d`` of the ``i``-th user tensor input.
     """
     nodes = _placeholders(gm)
@@ -60,7 +61,10 @@ def find_batch(gm: torch.fx.GraphModule, batch_dim: tuple[int, int] | None) -> B
         for i, n in enumerate(nodes)
         if isinstance(compat.placeholder_example(n), torch.Tensor)
     ]
-    users = [t for t in tensors if compat.is_user_input(t[1])]
+    users = sorted(
+        (t for t in tensors if compat.is_user_input(t[1])),
+        key=lambda t: compat.argument_order_key(t[1]),
+    )
     if batch_dim is not None:
         index, dim = batch_dim
         if index >= len(users):

@@ -1,0 +1,32 @@
+# Two commands a new user needs:
+#   make demo   set up a venv and run the main job (the throughput benchmark)
+#   make test   set up a venv and run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/inductor
+
+.PHONY: setup demo test bench-latency clean
+
+$(VENV)/.installed: setup.py pyproject.toml $(wildcard csrc/*.cpp)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# Pinned: plain `torch` would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q ninja pytest transformers tqdm
+	$(PY) -m pip install -q --no-build-isolation -e .
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(VENV)/bin/sizebackend bench
+
+test: setup
+	$(PY) -m pytest -q tests
+
+bench-latency: setup
+	$(PY) benchmarks/bench_latency.py
+
+clean:
+	rm -rf build *.egg-info dynamo_sizebackend/_C*.so .cache

@@ -1,0 +1,28 @@
+import os
+import tempfile
+
+# Before torch's Inductor reads it: every test run compiles into a folder of its own.
+_RUN_DIR = tempfile.mkdtemp(prefix="sizebackend-tests-")
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_RUN_DIR, "inductor"))
+os.environ.setdefault("SIZEBACKEND_CACHE_DIR", os.path.join(_RUN_DIR, "sizebackend"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import dynamo_sizebackend as sb  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Every test starts with no cached graphs and zeroed counters."""
+    torch._dynamo.reset()
+    sb.reset_stats()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    return tmp_path

@@ -1,0 +1,101 @@
+import pytest
+import torch
+
+import dynamo_sizebackend as sb
+from dynamo_sizebackend.options import DEFAULT_CUDAGRAPH_SIZES, DEFAULT_SPLITTING_OPS, parse_options
+
+from .nets import MLP
+
+
+def test_defaults():
+    opts = parse_options(None)
+    assert opts.compile_sizes == ()
+    assert opts.splitting_ops == DEFAULT_SPLITTING_OPS
+    assert opts.compiler == "inductor" and opts.compile_mode == "eager"
+    assert opts.cudagraph_sizes[:4] == (1, 2, 4, 8) and opts.cudagraph_sizes[-1] == 256
+    assert len(DEFAULT_CUDAGRAPH_SIZES) == 3 + 32  # 1, 2, 4 and 8..256 step 8
+
+
+def test_dict_and_string_forms_agree():
+    from_dict = parse_options({"compile_sizes": [8, 1, 4, 2, 4], "compiler": "eager"})
+    from_str = parse_options("{'compile_sizes': [8, 1, 4, 2, 4], 'compiler': 'eager',}")
+    assert from_dict == from_str
+    assert from_dict.compile_sizes == (1, 2, 4, 8)  # sorted, de-duplicated
+    assert isinstance(sb.SizeBackendOptions(), sb.SizeBackendOptions)
+
+
+def test_seed_string_with_expanded_sequence():
+    # The seed's usage 3: "{'candidate_compile_sizes': [$(seq -s, 1 5)]}" expands to this.
+    assert parse_options("{'compile_sizes': [1,2,3,4,5]}").compile_sizes == (1, 2, 3, 4, 5)
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"compile_size": [1]}, r"unknown option 'compile_size'; did you mean 'compile_sizes'"),
+        ({"splitting_op": []}, r"did you mean 'splitting_ops'"),
+        ({"compile_sizes": 4}, r"'compile_sizes'.*got 4"),
+        ({"compile_sizes": [0, 2]}, r"'compile_sizes'.*0 is not.*got \[0, 2\]"),
+        ({"compile_sizes": [-1]}, r"'compile_sizes'.*-1 is not"),
+        ({"compile_sizes": [True, 2]}, r"'compile_sizes'.*True is not"),
+        ({"compile_sizes": [2.0]}, r"'compile_sizes'.*2.0 is not"),
+        ({"compile_sizes": ["4"]}, r"'compile_sizes'.*'4' is not"),
+        ({"compile_sizes": [10**9]}, r"'compile_sizes'.*larger than the maximum"),
+        ({"batch_dim": 0}, r"'batch_dim'.*got 0"),
+        ({"batch_dim": [0]}, r"'batch_dim'.*got \[0\]"),
+        ({"batch_dim": [0, -1]}, r"'batch_dim'.*got \[0, -1\]"),
+        ({"compiler": "tvm"}, r"'compiler'.*got 'tvm'"),
+        ({"compile_mode": "sometimes"}, r"'compile_mode'.*got 'sometimes'"),
+        ({"cudagraphs": 1}, r"'cudagraphs'.*True or False.*got 1"),
+        ({"pad_to_size": "yes"}, r"'pad_to_size'.*got 'yes'"),
+        ({"strict": None}, r"'strict'.*got None"),
+        ({"splitting_ops": "aten::mm"}, r"'splitting_ops'.*list of op names"),
+        ({"splitting_ops": [3]}, r"'splitting_ops'.*3 is not"),
+        ({"inductor_options": [1]}, r"'inductor_options'"),
+        ({"cache_dir": 5}, r"'cache_dir'.*got 5"),
+        ({"cudagraph_warmups": -1}, r"'cudagraph_warmups'.*got -1"),
+        ([1, 2], r"must be a dict.*list"),
+        (7, r"must be a dict.*int"),
+        ("compile_sizes=[1]", r"not a Python dict literal"),
+        ("{'compile_sizes': [1, 2}", r"not a Python dict literal"),
+        ("__import__('os').getcwd()", r"not a Python dict literal"),
+        ("[1, 2]", r"must be a dict.*list"),
+    ],
+)
+def test_bad_options_name_key_and_value(options, match):
+    with pytest.raises(ValueError, match=match):
+        parse_options(options)
+
+
+def test_bad_option_reaches_torch_compile_caller_as_value_error():
+    model = MLP()
+    compiled = torch.compile(model, backend="sizebackend", options={"compile_sizes": [0]})
+    with pytest.raises(ValueError, match=r"'compile_sizes'.*got \[0\]"):
+        compiled(torch.randn(3, 16))
+
+
+def test_unknown_splitting_op_is_an_error_at_first_compile():
+    compiled = torch.compile(MLP(), backend="sizebackend", options={"splitting_ops": ["aten::no_such_op"]})
+    with pytest.raises(ValueError, match=r"'splitting_ops'.*aten::no_such_op"):
+        compiled(torch.randn(3, 16))
+
+
+def test_torch_compile_mode_is_rejected():
+    compiled = torch.compile(MLP(), backend="sizebackend", mode="max-autotune")
+    with pytest.raises(ValueError, match=r"mode='max-autotune'"):
+        compiled(torch.randn(3, 16))
+
+
+def test_batch_dim_out_of_range_is_an_error():
+    compiled = torch.compile(MLP(), backend="sizebackend", dynamic=True,
+                             options={"batch_dim": [3, 0], "compiler": "eager"})
+    with pytest.raises(ValueError, match=r"'batch_dim'.*input index 3"):
+        compiled(torch.randn(3, 16))
+
+
+def test_cudagraphs_without_cuda_is_an_error():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    compiled = torch.compile(MLP(), backend="sizebackend", options={"cudagraphs": True})
+    with pytest.raises(ValueError, match=r"'cudagraphs'.*no.*CUDA|'cudagraphs'.*CUDA"):
+        compiled(torch.randn(3, 16))
