@@ -66,6 +66,7 @@ class GraphCompiler:
 
     def compile_general(self, sg: SplitGraph, inputs: dict[str, tuple], key: str) -> Program:
         pieces: dict[str, CompiledPiece] = {}
+        counted_before = COUNTERS.snapshot().compiles.get(key, 0)
         for piece in sg.pieces:
             sub = getattr(sg.gm, piece.name)
             if piece.is_split_op:
@@ -74,6 +75,9 @@ class GraphCompiler:
             try:
                 pieces[piece.name] = self._compile(piece.name, sub, inputs[piece.name], None, key)
             except compat.dynamo_control_flow():
+                # Dynamo restarts analysis and sends a new graph; this attempt never ran.
+                now = COUNTERS.snapshot().compiles.get(key, 0)
+                COUNTERS.add_keyed("compiles", key, counted_before - now)
                 raise
             except Exception as e:  # counted, logged, visible in stats; strict re-raises
                 if self.options.strict:
