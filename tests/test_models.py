@@ -1,0 +1,188 @@
+"""The built-in Llama-style model: determinism, cache semantics end to end, torch.compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynamo_sizebackend import ops
+from dynamo_sizebackend.models import LlamaConfig, build_model, config
+
+NUM_SLOTS, MAX_LEN = 4, 32
+
+
+def serving_steps(vocab_size: int, seed: int = 0):
+    """(input_ids, positions, slots) of four calls of a small serving loop:
+    two prefills together (T=8), decodes mixed with a third prefill (T=4), three decodes
+    (T=3), one decode (T=1)."""
+    generator = torch.Generator().manual_seed(seed)
+    layout = [
+        ([0] * 5 + [2] * 3, [0, 1, 2, 3, 4, 0, 1, 2]),
+        ([0, 2, 1, 1], [5, 3, 0, 1]),
+        ([0, 2, 1], [6, 4, 2]),
+        ([2], [5]),
+    ]
+    return [
+        (
+            torch.randint(vocab_size, (len(slots),), generator=generator),
+            torch.tensor(positions),
+            torch.tensor(slots),
+        )
+        for slots, positions in layout
+    ]
+
+
+def run(model, steps):
+    return [model(*step) for step in steps]
+
+
+def fresh(name="tiny", **kwargs):
+    model = build_model(name, **kwargs)
+    model.allocate_kv_cache(NUM_SLOTS, MAX_LEN)
+    return model
+
+
+def assert_caches_equal(model, other, **tolerance):
+    for layer, other_layer in zip(model.layers, other.layers, strict=True):
+        torch.testing.assert_close(
+            layer.self_attn.k_cache, other_layer.self_attn.k_cache, **tolerance
+        )
+        torch.testing.assert_close(
+            layer.self_attn.v_cache, other_layer.self_attn.v_cache, **tolerance
+        )
+
+
+def test_presets_and_config_validation():
+    tiny = config("tiny")
+    assert tiny.head_dim * tiny.num_heads == tiny.hidden_size
+    assert tiny.num_heads % tiny.num_kv_heads == 0
+    with pytest.raises(ValueError, match="did you mean 'small'"):
+        config("smal")
+    with pytest.raises(ValueError, match="not a multiple of num_kv_heads"):
+        LlamaConfig(
+            vocab_size=8,
+            hidden_size=16,
+            intermediate_size=8,
+            num_layers=1,
+            num_heads=4,
+            num_kv_heads=3,
+        )
+
+
+def test_same_seed_same_model():
+    steps = serving_steps(config("tiny").vocab_size)[:1]
+    first, second, other = fresh(seed=0), fresh(seed=0), fresh(seed=1)
+    logits = run(first, steps)[0]
+    assert logits.shape == (8, config("tiny").vocab_size)
+    torch.testing.assert_close(run(second, steps)[0], logits, atol=0, rtol=0)
+    assert not torch.allclose(run(other, steps)[0], logits)
+
+
+def test_forward_needs_a_cache():
+    model = build_model("tiny")
+    with pytest.raises(RuntimeError, match="allocate_kv_cache"):
+        model(*serving_steps(config("tiny").vocab_size)[0])
+
+
+def test_op_matches_reference_attention():
+    # The same weights with plain-PyTorch attention: every step's logits and the final
+    # caches must agree.
+    steps = serving_steps(config("tiny").vocab_size)
+    model, reference = fresh(), fresh(attention_fn=ops.attention_reference)
+    for logits, expected in zip(run(model, steps), run(reference, steps), strict=True):
+        torch.testing.assert_close(logits, expected)
+    assert_caches_equal(model, reference)
+
+
+def test_incremental_decode_equals_one_shot_prefill():
+    # Cache semantics end to end: a token's logits must not depend on whether its
+    # predecessors came in earlier calls (through the cache) or in the same call.
+    steps = serving_steps(config("tiny").vocab_size)
+    incremental = torch.cat(run(fresh(), steps))
+    ids, positions, slots = (torch.cat(parts) for parts in zip(*steps, strict=True))
+    one_shot = fresh()(ids, positions, slots)
+    torch.testing.assert_close(incremental, one_shot)
+
+
+def test_bfloat16_model_runs_close_to_float32():
+    steps = serving_steps(config("tiny").vocab_size)[:2]
+    logits32 = torch.cat(run(fresh(), steps))
+    logits16 = torch.cat(run(fresh(dtype=torch.bfloat16), steps))
+    assert logits16.dtype == torch.bfloat16
+    # A coarse bound: bf16 weights and activations through two layers.
+    torch.testing.assert_close(logits16.float(), logits32, atol=0.15, rtol=0.1)
+
+
+def test_matches_hugging_face_llama():
+    transformers = pytest.importorskip("transformers")
+    model = fresh()
+    cfg = model.config
+    hf = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_heads,
+            num_key_value_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            rms_norm_eps=cfg.rms_eps,
+            rope_theta=cfg.rope_theta,
+            max_position_embeddings=cfg.max_position,
+            tie_word_embeddings=cfg.tie_word_embeddings,
+        )
+    ).eval()
+    # Same names except Hugging Face's "model." prefix on everything but lm_head.
+    state = {
+        (k if k == "lm_head.weight" else "model." + k): v for k, v in model.state_dict().items()
+    }
+    hf.load_state_dict(state, strict=True)
+
+    ids = torch.randint(cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf(input_ids=ids).logits
+    positions = torch.arange(9).repeat(2)
+    slots = torch.arange(2).repeat_interleave(9)
+    logits = model(ids.flatten(), positions, slots).view(2, 9, -1)
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+class GraphRecorder:
+    """A Dynamo backend that keeps every graph it is given and runs it as is."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+
+def test_compile_eager_backend_matches_eager():
+    steps = serving_steps(config("tiny").vocab_size)
+    recorder = GraphRecorder()
+    model, expected_model = fresh(), fresh()
+    compiled = torch.compile(model, backend=recorder, fullgraph=True, dynamic=True)
+    for logits, expected in zip(run(compiled, steps), run(expected_model, steps), strict=True):
+        torch.testing.assert_close(logits, expected)
+    assert_caches_equal(model, expected_model)
+
+    # One graph for every T >= 2 (symbolic) plus one for the T=1 step: Dynamo
+    # specializes sizes 0 and 1 even with dynamic=True.
+    assert len(recorder.graphs) == 2
+    attention = torch.ops.sizebackend.attention.default
+    for gm in recorder.graphs:
+        calls = [node for node in gm.graph.nodes if node.target is attention]
+        assert len(calls) == model.config.num_layers
+
+
+@pytest.mark.inductor
+def test_compile_inductor_matches_eager():
+    # One Inductor compile: the T=1 step would add a second (0/1 specialization).
+    steps = serving_steps(config("tiny").vocab_size)[:3]
+    model, expected_model = fresh(), fresh()
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    for logits, expected in zip(run(compiled, steps), run(expected_model, steps), strict=True):
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    # The op wrote the module's buffers in place, not functional copies of them.
+    assert_caches_equal(model, expected_model, atol=1e-5, rtol=1e-5)
