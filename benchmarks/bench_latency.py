@@ -1,0 +1,155 @@
+"""Per-call latency at listed and unlisted batch sizes, in one run, as ratios.
+
+Compares eager, ``torch.compile(dynamic=True)``, ``torch.compile(dynamic=False)`` (one
+recompile per size) and sizebackend on a small transformer (LayerNorm + SDPA + MLP),
+then measures the runner's own per-piece overhead with the eager adaptor.
+
+    python benchmarks/bench_latency.py [--sizes 1,2,4,8] [--unlisted 3,6] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench-latency-"))
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import dynamo_sizebackend as sb  # noqa: E402
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, layers: int, dim: int, heads: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.Sequential(*(Block(dim, heads) for _ in range(layers)))
+
+    def forward(self, x):
+        return self.blocks(x)
+
+
+def timed(fn, x, iters: int) -> float:
+    """Median seconds per call."""
+    for _ in range(3):
+        fn(x)
+    samples = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn(x)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="1,2,4,8")
+    p.add_argument("--unlisted", default="3,6")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--seq", type=int, default=16)
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    listed = [int(s) for s in args.sizes.split(",")]
+    unlisted = [int(s) for s in args.unlisted.split(",")]
+    sizes = sorted(listed + unlisted)
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    torch._dynamo.config.recompile_limit = 64  # dynamic=False recompiles once per size
+
+    model = Net(args.layers, args.dim, 4).eval()
+    inputs = {n: torch.randn(n, args.seq, args.dim) for n in sizes}
+    variants = {
+        "eager": model,
+        "dynamic=True": torch.compile(model, dynamic=True),
+        "dynamic=False": torch.compile(model, dynamic=False),
+        "sizebackend": torch.compile(
+            model, backend="sizebackend", dynamic=True,
+            options={"compile_sizes": listed, "cache_dir": None},
+        ),
+    }
+    results: dict[str, dict[int, float]] = {name: {} for name in variants}
+    with torch.no_grad():
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            for n in sizes:  # compile (or warm) every size first
+                torch.testing.assert_close(fn(inputs[n]), model(inputs[n]), rtol=1e-3, atol=1e-3)
+            print(f"# {name}: warm-up and compile {time.perf_counter() - start:.1f}s", file=sys.stderr)
+        for _ in range(2):  # interleave rounds so drift hits every variant alike
+            for name, fn in variants.items():
+                for n in sizes:
+                    t = timed(fn, inputs[n], args.iters // 2)
+                    results[name][n] = min(results[name].get(n, float("inf")), t)
+
+    print(f"\nper-call latency, {args.layers} layers, dim {args.dim}, seq {args.seq} (us; ratio = sizebackend / other)")
+    print(f"{'size':>6} {'listed':>6} " + " ".join(f"{k:>14}" for k in variants)
+          + f" {'sb/eager':>9} {'sb/dyn':>8} {'sb/static':>9}")
+    rows = []
+    for n in sizes:
+        us = {k: results[k][n] * 1e6 for k in variants}
+        sbt = us["sizebackend"]
+        row = {"size": n, "listed": n in listed, **{k: round(v, 1) for k, v in us.items()},
+               "sb/eager": sbt / us["eager"], "sb/dynamic": sbt / us["dynamic=True"],
+               "sb/static": sbt / us["dynamic=False"]}
+        rows.append(row)
+        print(f"{n:>6} {'yes' if n in listed else 'no':>6} " + " ".join(f"{us[k]:>14.1f}" for k in variants)
+              + f" {row['sb/eager']:>9.3f} {row['sb/dynamic']:>8.3f} {row['sb/static']:>9.3f}")
+    lst = [r["sb/static"] for r in rows if r["listed"]]
+    unl = [r["sb/dynamic"] for r in rows if not r["listed"]]
+    print(f"\nlisted sizes: sizebackend / dynamic=False  max {max(lst):.3f}  mean {statistics.mean(lst):.3f} (target <= 1.03)")
+    print(f"unlisted sizes: sizebackend / dynamic=True max {max(unl):.3f}  mean {statistics.mean(unl):.3f} (target <= 1.03)")
+
+    overhead = runner_overhead()
+    print(f"runner overhead: {overhead:.2f} us per piece (target < 10)")
+    print(f"stats: {json.dumps(sb.stats().to_dict())}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "runner_overhead_us_per_piece": overhead}, f, indent=2)
+    return 0
+
+
+def runner_overhead(pieces_per_graph: int = 17, iters: int = 3000) -> float:
+    """Microseconds the runner adds per piece: sizebackend with the eager adaptor against
+    torch.compile(backend="eager") on a model of many tiny attention-separated pieces."""
+
+    class Tiny(nn.Module):
+        def forward(self, x):
+            for _ in range(pieces_per_graph - 1):
+                x = F.scaled_dot_product_attention(x, x, x) + 1
+            return x
+
+    model, x = Tiny(), torch.randn(2, 1, 2, 4)
+    plain = torch.compile(model, backend="eager", dynamic=True)
+    ours = torch.compile(model, backend="sizebackend", dynamic=True,
+                         options={"compile_sizes": [2], "compiler": "eager", "cache_dir": None})
+    with torch.no_grad():
+        a = min(timed(plain, x, iters) for _ in range(3))
+        b = min(timed(ours, x, iters) for _ in range(3))
+    return (b - a) * 1e6 / pieces_per_graph
+
+
+if __name__ == "__main__":
+    sys.exit(main())
