@@ -1,0 +1,179 @@
+"""Piecewise CUDA graphs: capture each compiled piece once per size, replay it after.
+
+Attention (the split ops) is never captured: it runs eagerly between the graphs, which
+is what lets one capture per size serve every sequence length mix of a serving batch.
+
+Memory and addresses, the hazards this module exists for:
+- every capture of one graph shares one memory pool, so the pieces of a size reuse the
+  same blocks instead of each reserving its own;
+- a replay reads its inputs from the addresses seen at capture. An input that arrives at
+  another address (a user tensor, an attention output: fresh allocations each call) is
+  copied into the piece's own static buffer first. An input that is the output of an
+  earlier captured piece of the same size lives at a fixed pool address and is not
+  copied;
+- a replay writes its outputs into the same buffers every time, so the runner clones the
+  graph's final outputs before handing them to the caller.
+
+Capture and replay go through a small ``GraphFactory`` so that the planning logic is
+tested on CPU with a simulator that has the same buffer semantics as a CUDA graph.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+from .options import SizeBackendOptions
+from .stats import COUNTERS
+
+log = logging.getLogger(__name__)
+
+
+def effective_compile_sizes(options: SizeBackendOptions) -> tuple[int, ...]:
+    """The seed's rule: with cudagraphs on, a compile size that is not a capture size is
+    dropped (a batch of 3 is padded to 4 and never runs at 3), with one warning."""
+    sizes = options.compile_sizes
+    if not options.cudagraphs:
+        return sizes
+    capture = set(options.cudagraph_sizes)
+    kept = tuple(n for n in sizes if n in capture)
+    dropped = [n for n in sizes if n not in capture]
+    if dropped:
+        warnings.warn(
+            f"sizebackend: compile_sizes {dropped} are not in cudagraph_sizes and are dropped "
+            f"(with cudagraphs on they would never run at their own size); compiling {list(kept)}",
+            stacklevel=2,
+        )
+    return kept
+
+
+class CapturedGraph(Protocol):
+    def replay(self) -> None: ...
+
+
+class GraphFactory(Protocol):
+    def capture(self, fn: Callable[[], Any]) -> tuple[CapturedGraph, Any]:
+        """Capture ``fn()`` and return the graph and the outputs it writes on replay."""
+        ...
+
+
+class CudaGraphFactory:
+    """Real CUDA graphs, all captures of one compiled graph in one memory pool."""
+
+    def __init__(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def capture(self, fn):
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = fn()
+        return graph, outputs
+
+
+class SimulatedGraphFactory:
+    """CPU stand-in with a CUDA graph's buffer semantics: replay recomputes from the
+    captured input tensors and writes into the captured output tensors in place."""
+
+    class _Graph:
+        def __init__(self, fn, outputs):
+            self.fn, self.outputs = fn, outputs
+
+        def replay(self) -> None:
+            fresh = self.fn()
+            for old, new in zip(_tensors(self.outputs), _tensors(fresh)):
+                old.copy_(new)
+
+    def capture(self, fn):
+        outputs = fn()
+        return self._Graph(fn, outputs), outputs
+
+
+def _tensors(values: Any) -> list[torch.Tensor]:
+    if isinstance(values, torch.Tensor):
+        return [values]
+    if isinstance(values, (list, tuple)):
+        return [v for v in values if isinstance(v, torch.Tensor)]
+    return []
+
+
+class StablePointers:
+    """Addresses of the outputs captured pieces of one size write to: inputs found here
+    need no copy on replay."""
+
+    def __init__(self) -> None:
+        self.ptrs: set[int] = set()
+
+
+def plan_copies(
+    captured: Sequence[Any], args: Sequence[Any]
+) -> list[int]:
+    """Indices of tensor ``args`` whose address differs from the captured buffer."""
+    return [
+        i
+        for i, (buf, arg) in enumerate(zip(captured, args))
+        if isinstance(buf, torch.Tensor) and buf.data_ptr() != arg.data_ptr()
+    ]
+
+
+class CudaGraphPiece:
+    """One compiled piece at one size: ``warmups`` plain runs, one capture, then replays."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        size: int,
+        factory: GraphFactory,
+        stable: StablePointers,
+        warmups: int,
+        static_inputs: frozenset[int] = frozenset(),
+    ):
+        self.fn = fn
+        self.size = size
+        self.factory = factory
+        self.stable = stable
+        self.warmups_left = warmups
+        self.static_inputs = static_inputs  # parameters: never copied, never change
+        self.graph: CapturedGraph | None = None
+        self.buffers: list[Any] = []
+        self.outputs: Any = None
+        self.copies = 0
+
+    def _capture(self, args: Sequence[Any]) -> Any:
+        # Own a buffer for every tensor input that does not already sit at a fixed
+        # address (parameters, or outputs of an earlier captured piece of this size).
+        buffers = []
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor) and i not in self.static_inputs and a.data_ptr() not in self.stable.ptrs:
+                a = a.clone()
+            buffers.append(a)
+        self.buffers = buffers
+        self.graph, self.outputs = self.factory.capture(lambda: self.fn(*self.buffers))
+        self.stable.ptrs.update(t.data_ptr() for t in _tensors(self.outputs))
+        COUNTERS.add_keyed("captures", str(self.size))
+        log.debug("captured a piece at size %d", self.size)
+        return self.outputs
+
+    def __call__(self, *args: Any) -> Any:
+        if self.graph is None:
+            if self.warmups_left > 0:
+                self.warmups_left -= 1
+                return self.fn(*args)
+            return self._capture(args)
+        for i in plan_copies(self.buffers, args):
+            self.buffers[i].copy_(args[i])
+            self.copies += 1
+        self.graph.replay()
+        return self.outputs
+
+
+def clone_outputs(outputs: Any) -> Any:
+    """Detach the caller's results from the replay buffers the next call overwrites."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs.clone()
+    if isinstance(outputs, (list, tuple)):
+        out = [o.clone() if isinstance(o, torch.Tensor) else o for o in outputs]
+        return type(outputs)(out) if isinstance(outputs, tuple) else out
+    return outputs
