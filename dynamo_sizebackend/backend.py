@@ -15,14 +15,26 @@ import torch
 import torch.fx
 
 from . import compat
+from .cache import for_options as piece_cache_for
 from .compiler import CompiledPiece, compile_piece, make_adaptor, size_key
 from .dispatch import Program, Runner, generated_forward
 from .options import OptionError, SizeBackendOptions, parse_options
+from .progress import CompileProgress
 from .shapes import ConcreteInputs, find_batch
-from .splitting import OpMatcher, SplitGraph, split
+from .splitting import OpMatcher, SplitGraph, pieces_return_floats, split
 from .stats import COUNTERS
 
 log = logging.getLogger(__name__)
+
+
+class SizeCompileError(compat.user_error_base()):  # a RuntimeError
+    """A piece failed to compile and ``strict=True`` asked for an error instead of a
+    fallback. Reaches the caller as itself (not wrapped by Dynamo); ``__cause__`` is the
+    compiler's own exception."""
+
+    def __init__(self, message: str):
+        RuntimeError.__init__(self, message)
+        self.first_useful_frame = None
 
 
 class _Recorder(torch.fx.Interpreter):
@@ -45,24 +57,39 @@ class GraphCompiler:
         self.options = options
         self.graph_id = graph_id
         self.adaptor = make_adaptor(options)
+        self.cache = piece_cache_for(options)  # None for the eager adaptor
+        self.progress = CompileProgress(f"sizebackend graph {graph_id}")
         self._warned: set[str] = set()
 
-    def _fallback(self, key: str, what: str, error: Exception) -> None:
+    def _fallback(self, key: str, what: str, error: Exception, uncompiled: bool = False) -> None:
+        """Count and log (once per graph and size) a failed compile, or raise under
+        ``strict``. ``uncompiled``: the piece will run as is (a general or static
+        compile failed); otherwise the size is served by the general pieces."""
+        # Inductor's errors can carry a whole IR dump; the first line says what failed.
+        lines = str(error).strip().splitlines() or [""]
+        brief = lines[0][:300] + (" ..." if len(lines) > 1 or len(lines[0]) > 300 else "")
+        if self.options.strict:
+            raise SizeCompileError(
+                f"sizebackend: graph {self.graph_id}: {what} failed to compile for size {key} "
+                f"({type(error).__name__}: {brief}); strict=True turns this fallback into an error"
+            ) from error
         COUNTERS.add_keyed("fallbacks", key)
         if key not in self._warned:
             self._warned.add(key)
             log.warning(
                 "sizebackend: graph %d: %s failed to compile for size %s (%s: %s); %s",
-                self.graph_id, what, key, type(error).__name__, error,
-                "running it uncompiled" if key in ("dynamic", "static") else
-                "serving that size with the general pieces",
+                self.graph_id, what, key, type(error).__name__, brief,
+                "running it uncompiled" if uncompiled else "serving that size with the general pieces",
             )
 
     def _compile(self, name: str, gm, inputs, size, key, fake_mode=None) -> CompiledPiece:
-        return compile_piece(
+        compiled = compile_piece(
             self.adaptor, gm, list(inputs), size, key=key, fake_mode=fake_mode,
             debug_dir=self.options.debug_dir, debug_name=f"graph{self.graph_id}_{name}",
+            cache=self.cache,
         )
+        self.progress.step()
+        return compiled
 
     def compile_general(self, sg: SplitGraph, inputs: dict[str, tuple], key: str) -> Program:
         pieces: dict[str, CompiledPiece] = {}
@@ -79,18 +106,32 @@ class GraphCompiler:
                 now = COUNTERS.snapshot().compiles.get(key, 0)
                 COUNTERS.add_keyed("compiles", key, counted_before - now)
                 raise
-            except Exception as e:  # counted, logged, visible in stats; strict re-raises
-                if self.options.strict:
-                    raise
-                self._fallback(key, piece.name, e)
+            except Exception as e:  # counted, logged, visible in stats; strict raises
+                self._fallback(key, piece.name, e, uncompiled=True)
                 pieces[piece.name] = sub.forward
         return Program(key, pieces)
 
     def compile_size(
-        self, sg: SplitGraph, inputs: dict[str, tuple], symbol, size: int, general: Program
+        self,
+        sg: SplitGraph,
+        inputs: dict[str, tuple],
+        symbol,
+        size: int,
+        general: Program,
+        graph_inputs: list[Any],
     ) -> Program | None:
         """Specialized pieces for ``size``, or ``None`` if any piece failed (the size is
-        then served by the general pieces: a half-specialized program buys nothing)."""
+        then served by the general pieces: a half-specialized program buys nothing).
+
+        Other symbolic dims stay symbolic, but Inductor may still decide on them (a slice
+        length, a reduction strategy) using the values they had when Dynamo traced, and
+        record those decisions as guards in the fresh ShapeEnv. Dynamo never sees those
+        guards (it checks the general pieces' ones), and with the batch fixed a decision
+        can differ from the general one: ``x.flatten(0, 1)[:64]`` traced at 3x20 admits
+        4x10, yet the size-4 compile at seq 20 bakes in a slice of 64 rows. So the
+        program carries a check of its own guards (``graph_inputs``: the graph's
+        placeholder fakes) and a call that breaks them runs the general pieces.
+        """
         key = size_key(size)
         concrete = ConcreteInputs(symbol, size)
         pieces: dict[str, CompiledPiece] = {}
@@ -104,12 +145,23 @@ class GraphCompiler:
                 pieces[piece.name] = self._compile(
                     piece.name, sub, example, size, key, fake_mode=concrete.fake_mode
                 )
-            except Exception as e:  # counted, logged, visible in stats; strict re-raises
-                if self.options.strict:
-                    raise
+            except Exception as e:  # counted, logged, visible in stats; strict raises
                 self._fallback(key, piece.name, e)
                 return None
-        return Program(key, pieces)
+        check = None
+        if compat.added_guards(concrete.fake_mode):
+            try:
+                source, check = compat.guard_checker(
+                    concrete.fake_mode, concrete.convert(graph_inputs)
+                )
+            except Exception as e:  # a guard we cannot check: never run the size unchecked
+                self._fallback(key, "the shape-guard check", e)
+                return None
+            log.info(
+                "sizebackend: graph %d: size %d pieces assume %s; calls that break it run "
+                "the general pieces", self.graph_id, size, source,
+            )
+        return Program(key, pieces, check=check)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Runner:
         batch = find_batch(gm, self.options.batch_dim)
@@ -117,6 +169,13 @@ class GraphCompiler:
 
         fakes = [compat.placeholder_example(n) for n in gm.graph.nodes if n.op == "placeholder"]
         fake_mode = compat.graph_fake_mode(fakes)
+        if self.options.compiler != "eager" and pieces_return_floats(sg):
+            floats = compat.float_symbol_names(fake_mode)
+            log.info(
+                "sizebackend: graph %d: a piece returns a symbolic float; asking Dynamo to "
+                "trace again with floats %s as constants", self.graph_id, sorted(floats),
+            )
+            compat.restart_with_floats_specialized(floats)  # returns if that was done already
         recorder = _Recorder(sg.gm)
         with fake_mode:
             recorder.run(*fakes)
@@ -127,6 +186,7 @@ class GraphCompiler:
             key = str(batch.static_size) if batch is not None else "static"
         else:
             key = "dynamic"
+        self.progress.expect(len(sg.compiled_pieces), f"{key} shape")
         general = self.compile_general(sg, recorder.inputs, key)
         # Counted only now: Dynamo may restart analysis from inside the first compile.
         COUNTERS.add("graphs")
@@ -147,15 +207,17 @@ class GraphCompiler:
             )
 
         def compile_size(size: int) -> Program | None:
-            return self.compile_size(sg, recorder.inputs, symbol, size, general)
+            return self.compile_size(sg, recorder.inputs, symbol, size, general, fakes)
 
         mode = self.options.compile_mode
         by_size: dict[int, Program] = {}
         if mode == "eager":
+            self.progress.expect(len(sg.compiled_pieces) * len(sizes), f"sizes {sizes}")
             for size in sizes:
                 program = compile_size(size)
                 if program is not None:
                     by_size[size] = program
+            self.progress.close()  # a size that failed leaves steps unused
         runner = Runner(
             forward, general, by_size, batch.arg_index, batch.dim,
             pending=set(sizes) if mode == "lazy" else None, compile_size=compile_size,
@@ -184,7 +246,11 @@ class _BackgroundJob(threading.Thread):
             for size in self.sizes:
                 if self.cancelled.is_set():
                     return
-                program = self.compile_size(size)
+                try:
+                    program = self.compile_size(size)
+                except SizeCompileError as e:  # strict: no caller here, so the next call raises
+                    self.runner.fail(e)
+                    return
                 if program is not None and not self.cancelled.is_set():
                     self.runner.publish(size, program)
 

@@ -9,6 +9,8 @@ Why each is here:
   ``ShapeEnv``.
 - The debug dump of Inductor's generated code reads ``PyCodeCache``, which has no public
   equivalent.
+- The artifact cache saves and loads ``CompiledArtifact`` (``torch._inductor``), and its
+  key reads the ShapeEnv (symbol ranges, guards) and Inductor's config dump.
 """
 from __future__ import annotations
 
@@ -18,6 +20,20 @@ import torch
 import torch.fx
 
 TORCH_VERSION = torch.__version__
+
+
+def _compile_lock():
+    from torch._dynamo.convert_frame import compile_lock
+
+    return compile_lock
+
+
+#: Serializes Inductor compiles, artifact saves and loads (see :func:`standalone_compile`).
+#: Dynamo's own reentrant ``compile_lock``: torch documents ``CacheArtifactManager``'s
+#: state as "protected by the compile_lock", Dynamo holds it while compiling a frame (so
+#: our general compiles run under it already) and Inductor takes it for backward graphs;
+#: a lock of our own next to it could deadlock against a background compile.
+INDUCTOR_LOCK = _compile_lock()
 
 
 def placeholder_example(node: torch.fx.Node) -> Any:
@@ -140,19 +156,28 @@ def standalone_compile(
 ):
     """Inductor-compile ``gm``. ``from_graph``: keep the symbolic shapes of the fakes
     recorded in the graph; otherwise specialize on ``example_inputs`` (made in
-    ``fake_mode``)."""
+    ``fake_mode``).
+
+    One compile at a time per process (:data:`INDUCTOR_LOCK`): ``standalone_compile``
+    records the artifact it returns in class-level state (``CacheArtifactManager``,
+    swapped in and out by ``with_fresh_cache``) and applies ``config_patches`` to
+    Inductor's global config, so two compiles in two threads (a background compile
+    while Dynamo compiles another graph) could save one piece's code as the other's,
+    and the artifact cache would then serve it to every later process.
+    """
     options = {"config_patches": dict(inductor_options)} if inductor_options else {}
-    if from_graph:
+    with INDUCTOR_LOCK:
+        if from_graph:
+            return torch._inductor.standalone_compile(
+                gm, example_inputs, dynamic_shapes="from_graph", options=options
+            )
         return torch._inductor.standalone_compile(
-            gm, example_inputs, dynamic_shapes="from_graph", options=options
+            gm,
+            example_inputs,
+            dynamic_shapes="from_example_inputs",
+            options=options,
+            fake_mode=fake_mode,
         )
-    return torch._inductor.standalone_compile(
-        gm,
-        example_inputs,
-        dynamic_shapes="from_example_inputs",
-        options=options,
-        fake_mode=fake_mode,
-    )
 
 
 def in_tracing_context() -> bool:
@@ -192,3 +217,207 @@ def dynamo_control_flow() -> tuple[type, ...]:
         for name in ("TensorifyScalarRestartAnalysis", "RestartAnalysis", "SkipFrame")
         if hasattr(exc, name)
     )
+
+
+def inductor_option_problem(key: str, value: Any) -> str | None:
+    """Why ``torch._inductor.config`` would not take ``key=value``, or ``None`` if it would.
+
+    The same rule torch.compile applies to ``options=`` with the Inductor backend: the key
+    must name a config entry and the value must be of its declared type (generic types
+    are not checked). Without this, a typo would surface as every piece failing to
+    compile, i.e. as a model that silently runs uncompiled.
+    """
+    import typing
+
+    from torch._inductor import config
+
+    current = config.get_config_copy()
+    name = key.replace("-", "_")
+    if name not in current:
+        return "no such Inductor config entry"
+    declared = config.get_type(name)
+    if typing.get_origin(declared) is None and isinstance(declared, type):
+        if not isinstance(value, declared):
+            return f"must be of type {declared.__name__}"
+    return None
+
+
+def added_guards(fake_mode) -> bool:
+    """True when compiling in ``fake_mode`` (a fresh one, see :func:`new_fake_mode`) made
+    decisions that hold only for some values of its symbols (``ShapeEnv.guards``)."""
+    return bool(fake_mode.shape_env.guards)
+
+
+def guard_checker(fake_mode, placeholders: Sequence[Any]) -> tuple[str, Callable[[Sequence[Any]], bool]]:
+    """A check of ``fake_mode``'s shape guards against a call's real arguments.
+
+    ``placeholders`` are fakes of the graph's inputs made in ``fake_mode``, in argument
+    order; the returned ``check(args)`` tells whether ``args`` satisfy every guard the
+    compiles in that mode added. Uses the ShapeEnv's guard printer, the one the AOT and
+    FX-graph caches use to re-check a cached artifact (``produce_guards_expression``).
+    """
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+    env = fake_mode.shape_env
+    source = env.produce_guards_expression(list(placeholders), ignore_static=True)
+    if not source:
+        return "True", lambda args: True
+    code = compile(source, "<sizebackend size guards>", "eval")
+    names = [f"t{i}" for i in range(len(placeholders))]
+
+    def check(args: Sequence[Any]) -> bool:
+        return bool(eval(code, SYMPY_INTERP, {"L": dict(zip(names, args))}))
+
+    return source, check
+
+
+# --- Artifact cache (piece_key.py, cache.py) -------------------------------------------
+# ``CompiledArtifact.save/load`` is the documented way to persist a standalone_compile
+# result, but lives under ``torch._inductor``; the key reads symbols' value ranges from
+# the ShapeEnv and Inductor's config, neither of which has a public accessor.
+
+
+def is_fake(value: Any) -> bool:
+    return isinstance(value, torch._subclasses.FakeTensor)
+
+
+def sym_expr(value: Any):
+    """The sympy expression behind a SymInt/SymFloat/SymBool."""
+    return value.node.expr
+
+
+def sym_range(value: Any, symbol) -> tuple[int | None, int | None]:
+    """The values ``symbol`` (a free symbol of ``value``) may take in its ShapeEnv."""
+    vr = value.node.shape_env.var_to_range.get(symbol)
+    if vr is None:
+        return None, None
+
+    def finite(bound) -> int | None:
+        return int(bound) if getattr(bound, "is_Integer", False) else None
+
+    return finite(vr.lower), finite(vr.upper)
+
+
+def shape_env_state(values: Sequence[Any]) -> tuple[int, int, int] | None:
+    """How much the ShapeEnv of ``values`` knows: (guards, runtime asserts, replacements).
+
+    A compile that grows it made decisions valid only for some sizes; an artifact loaded
+    from disk or shared with another piece would skip adding them, so such an artifact
+    must be neither cached nor shared (see ``cache.PieceCache``)."""
+    env = _shape_env(values)
+    if env is None:
+        return None
+    asserts = sum(len(v) for v in env.deferred_runtime_asserts.values())
+    return len(env.guards), asserts, len(env.replacements)
+
+
+def _shape_env(values: Sequence[Any]):
+    for value in values:
+        if isinstance(value, torch._subclasses.FakeTensor) and value.fake_mode.shape_env:
+            return value.fake_mode.shape_env
+        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return value.node.shape_env
+    return None
+
+
+def shape_guards_text(values: Sequence[Any]) -> str:
+    """What the ShapeEnv of ``values`` assumes about them, written by input position
+    (``L['t0'].size()[0] >= 2 and L['t1'] == L['t0'].size()[1]``): the same printer the
+    FX graph cache uses to decide whether a cached graph fits (``produce_guards_expression``).
+    Inductor may rely on any of these facts, so an artifact fits only where they hold."""
+    env = _shape_env(values)
+    if env is None:
+        return ""
+    return env.produce_guards_expression(list(values), ignore_static=True) or ""
+
+
+def _stable_repr(value: Any) -> str:
+    """``repr`` that is the same in every process (sets sorted), or ``TypeError``."""
+    if isinstance(value, (bool, int, float, str, type(None))):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return type(value).__name__ + "(" + ",".join(_stable_repr(v) for v in value) + ")"
+    if isinstance(value, (set, frozenset)):
+        return "set(" + ",".join(sorted(_stable_repr(v) for v in value)) + ")"
+    if isinstance(value, dict):
+        items = sorted((_stable_repr(k), _stable_repr(v)) for k, v in value.items())
+        return "dict(" + ",".join(f"{k}:{v}" for k, v in items) + ")"
+    uuid = getattr(value, "uuid", None)  # Inductor's CustomGraphPass protocol
+    if callable(uuid):
+        return f"uuid:{uuid()!r}"
+    raise TypeError(f"no stable text for {type(value).__name__}")
+
+
+def compile_config_fingerprint() -> str | None:
+    """Inductor's and AOTAutograd's global configs as stable text, or ``None`` when a
+    setting (a custom pass without ``uuid()``) cannot be written stably.
+
+    ``save_config_portable`` leaves out what does not change code (trace and cache
+    settings), as the FX graph cache does; the custom passes it also leaves out do change
+    code, so they are added back by their ``uuid()``."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    parts = []
+    try:
+        for config in (inductor_config, functorch_config):
+            portable = config.save_config_portable()
+            for name, value in sorted(config.get_config_copy().items()):
+                if name in portable:
+                    parts.append(f"{name}={_stable_repr(value)}")
+                elif "custom" in name and "pass" in name and value is not None:
+                    parts.append(f"{name}={_stable_repr(value)}")
+    except TypeError:
+        return None
+    return "\n".join(parts)
+
+
+def save_artifact(artifact: Any, path: str) -> None:
+    """Write a ``standalone_compile`` result to ``path`` (torch's own binary format)."""
+    with INDUCTOR_LOCK:
+        artifact.save(path=path, format="binary")
+
+
+def load_artifact(path: str) -> Callable[..., Any]:
+    """Read back what :func:`save_artifact` wrote. Torch checks its own build key and
+    raises (``AssertionError``, ``RuntimeError``...) on any mismatch or damage."""
+    with INDUCTOR_LOCK:  # loading fills the same class-level caches a compile records into
+        return torch._inductor.CompiledArtifact.load(path=path, format="binary")
+
+
+def constant_float(value: Any) -> float | None:
+    """The value of a SymFloat that the ShapeEnv has pinned to a constant (a float input
+    specialized while tracing, under a Dynamo guard), else ``None``."""
+    if not isinstance(value, torch.SymFloat):
+        return None
+    expr = value.node.expr  # with the ShapeEnv's replacements applied
+    return float(expr) if expr.is_number else None
+
+
+def float_symbol_names(fake_mode) -> set[str]:
+    """Names of the float symbols (``zf0``...) of the graph's ShapeEnv: Python floats that
+    Dynamo turned into graph inputs (``specialize_float=False``) instead of constants.
+    All of them, as Inductor's ``tensorify_python_scalars`` pass collects them: a float
+    that was specialized while tracing no longer names its symbol in the graph."""
+    from torch.utils._sympy.symbol import SymT, symbol_is_type
+
+    env = fake_mode.shape_env
+    table = getattr(env, "backed_var_to_val", None)
+    table = table if table is not None else env.var_to_val
+    return {str(s) for s in table if symbol_is_type(s, SymT.FLOAT)}
+
+
+def restart_with_floats_specialized(names: set[str]) -> None:
+    """Ask Dynamo to trace the frame again with the floats ``names`` as constants, the
+    way Inductor's own ``tensorify_python_scalars`` pass does when a float cannot stay
+    symbolic (raises ``TensorifyScalarRestartAnalysis``). Returns without raising when
+    every name was already specialized once, so a frame cannot restart forever."""
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+    from torch._dynamo.symbolic_convert import TensorifyState
+
+    fresh = sorted(n for n in names if not TensorifyState.should_specialize(n))
+    if not fresh:
+        return
+    for name in fresh:
+        TensorifyState.specialize(name)
+    raise TensorifyScalarRestartAnalysis

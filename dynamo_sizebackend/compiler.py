@@ -14,6 +14,7 @@ from typing import Any, Callable, Protocol
 import torch.fx
 
 from . import compat
+from .cache import PieceCache
 from .options import SizeBackendOptions
 from .stats import COUNTERS
 
@@ -83,9 +84,23 @@ def compile_piece(
     fake_mode: Any = None,
     debug_dir: str | None = None,
     debug_name: str = "piece",
+    cache: PieceCache | None = None,
 ) -> CompiledPiece:
-    """Compile one piece through ``adaptor``, counting and timing it."""
+    """Compile one piece through ``adaptor``, counting and timing it.
+
+    With ``cache``, an identical piece compiled earlier in this process, or stored on
+    disk by an earlier one, is returned instead (counted as ``reused`` or a cache hit,
+    not as a compile). Nothing is counted for a compile that raises: Dynamo's restarts
+    come through here and that attempt's graph is thrown away.
+    """
     key = key or size_key(runtime_size)
+    artifact_key = cache.key(gm, example_inputs, runtime_size) if cache is not None else None
+    if artifact_key is not None:
+        found = cache.lookup(artifact_key, gm, debug_name)
+        if found is not None:
+            log.debug("reused %s for size %s (key %s)", debug_name, key, artifact_key[:12])
+            return found
+    shape_facts = compat.shape_env_state(example_inputs) if artifact_key is not None else None
     before = set(compat.loaded_code_paths()) if debug_dir else None
     start = time.perf_counter()
     compiled = adaptor.compile(gm, example_inputs, runtime_size, fake_mode)
@@ -93,6 +108,9 @@ def compile_piece(
     COUNTERS.add_keyed("compiles", key)
     COUNTERS.add_seconds(elapsed)
     log.debug("compiled %s for size %s with %s in %.2fs", debug_name, key, adaptor.name, elapsed)
+    if artifact_key is not None:
+        guarded = compat.shape_env_state(example_inputs) != shape_facts
+        cache.store(artifact_key, compiled, key, debug_name, guarded=guarded)
     if debug_dir:
         _dump(debug_dir, f"{debug_name}_{key}", gm, before)
     return compiled

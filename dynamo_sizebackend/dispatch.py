@@ -21,10 +21,20 @@ log = logging.getLogger(__name__)
 
 
 class Program:
-    """The pieces of one runtime size, bound to the split graph's generated forward."""
+    """The pieces of one runtime size, bound to the split graph's generated forward.
 
-    def __init__(self, key: str, pieces: Mapping[str, Callable[..., Any]]):
+    ``check(args)``, when set, tells whether a call's arguments satisfy the shape guards
+    the size's compiles assumed (see ``GraphCompiler.compile_size``); ``None``: no guards.
+    """
+
+    def __init__(
+        self,
+        key: str,
+        pieces: Mapping[str, Callable[..., Any]],
+        check: Callable[[tuple[Any, ...]], bool] | None = None,
+    ):
         self.key = key
+        self.check = check
         for name, fn in pieces.items():
             setattr(self, name, fn)
 
@@ -42,7 +52,8 @@ class Runner:
 
     ``by_size`` maps a listed size to its program once it is compiled; ``pending`` holds
     listed sizes still to compile (lazy mode), compiled on first sight by ``compile_size``
-    while the triggering call waits. Any other size runs ``general``.
+    while the triggering call waits; calls of that size from other threads meanwhile run
+    ``general`` rather than queue behind it. Any other size runs ``general``.
     """
 
     def __init__(
@@ -63,11 +74,18 @@ class Runner:
         self._pending = pending or set()
         self._compile_size = compile_size
         self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._guard_misses: set[int] = set()
         self.background: threading.Thread | None = None
 
     def publish(self, size: int, program: Program) -> None:
         """Make ``program`` serve ``size`` from the next call on (atomic under the GIL)."""
         self._by_size[size] = program
+
+    def fail(self, error: BaseException) -> None:
+        """A compile after this runner was handed out failed under ``strict=True``: every
+        call from now on raises it (a background thread has no caller to raise to)."""
+        self._error = error
 
     def batch_size(self, args: tuple[Any, ...]) -> int | None:
         if self._arg_index is None:
@@ -79,17 +97,34 @@ class Runner:
             program = self._by_size.get(size)
             if program is None and size in self._pending:
                 self._pending.discard(size)
-                program = self._compile_size(size) if self._compile_size else None
+                try:
+                    program = self._compile_size(size) if self._compile_size else None
+                except Exception as e:  # strict: raised here and on every later call
+                    self.fail(e)
+                    raise
                 if program is not None:
                     self._by_size[size] = program
         return program or self._general
 
+    def _guard_miss(self, size: int, program: Program) -> Program:
+        if size not in self._guard_misses:
+            self._guard_misses.add(size)
+            log.info(
+                "sizebackend: a batch of %d breaks a shape guard its specialized pieces were "
+                "compiled under; such calls run the general pieces", size,
+            )
+        return self._general
+
     def __call__(self, *args: Any) -> Any:
+        if self._error is not None:
+            raise self._error
         program = self._general
         if self._arg_index is not None:
             size = args[self._arg_index].shape[self._dim]
             program = self._by_size.get(size)
             if program is None:
                 program = self._compile_pending(size) if size in self._pending else self._general
+            elif program.check is not None and not program.check(args):
+                program = self._guard_miss(size, program)
         COUNTERS.add_keyed("calls", program.key)
         return self._forward(program, *args)

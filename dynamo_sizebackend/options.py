@@ -118,10 +118,12 @@ class SizeBackendOptions:
     """Raise when a size fails to compile instead of serving it with the general pieces."""
 
     cache_dir: str | None = field(default_factory=_default_cache_dir)
-    """On-disk artifact cache; ``None`` disables it."""
+    """On-disk artifact cache; ``None`` disables it (identical pieces are still compiled
+    once per process and shared). See ``cache.py``."""
 
     debug_dir: str | None = None
-    """Write each piece's graph and generated code here."""
+    """Write each piece's graph and generated code here. Turns the artifact cache and the
+    sharing of identical pieces off, so that every piece is compiled and written."""
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -154,7 +156,14 @@ class SizeBackendOptions:
             isinstance(k, str) for k in self.inductor_options
         ):
             raise _fail("inductor_options", self.inductor_options, "must be a dict of str keys")
-        set_("inductor_options", dict(self.inductor_options))
+        for key, value in self.inductor_options.items():
+            problem = compat.inductor_option_problem(key, value)
+            if problem is not None:
+                raise _fail(
+                    "inductor_options", self.inductor_options, f"entry {key!r}={value!r}: {problem}"
+                )
+        # torch.compile's spelling "max-autotune" is config entry "max_autotune".
+        set_("inductor_options", {k.replace("-", "_"): v for k, v in self.inductor_options.items()})
         for name in ("cudagraphs", "pad_to_size", "strict"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "must be True or False")
@@ -190,7 +199,7 @@ def parse_options(options: Any) -> SizeBackendOptions:
     if isinstance(options, str):
         try:
             parsed = ast.literal_eval(options.strip())
-        except (ValueError, SyntaxError, MemoryError, RecursionError) as e:
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as e:
             raise OptionError(
                 f"sizebackend options string is not a Python dict literal: {options!r} ({e})"
             ) from None

@@ -107,6 +107,34 @@ class OpMatcher:
         return self._objects.get(id(target))
 
 
+def _inline_constant_floats(
+    gm: torch.fx.GraphModule, partition_of: dict[torch.fx.Node, int]
+) -> tuple[torch.fx.GraphModule, dict[torch.fx.Node, int]]:
+    """Pass a SymFloat whose value Dynamo has pinned (a guarded constant) to other
+    partitions as the plain float, not as a piece output (see :func:`pieces_return_floats`).
+
+    Works on a copy when there is anything to change; ``gm`` is not mutated.
+    """
+    def crossing(graph: torch.fx.Graph, where: dict[torch.fx.Node, int]):
+        for node in graph.nodes:
+            value = compat.constant_float(compat.placeholder_example(node))
+            if value is None or node not in where:
+                continue
+            for user in list(node.users):
+                if user.op != "output" and where.get(user) != where[node]:
+                    yield node, user, value
+
+    if next(crossing(gm.graph, partition_of), None) is None:
+        return gm, partition_of
+    graph = torch.fx.Graph()
+    copies: dict[torch.fx.Node, torch.fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, copies))
+    where = {copies[node]: part for node, part in partition_of.items()}
+    for node, user, value in list(crossing(graph, where)):
+        user.replace_input_with(node, value)
+    return torch.fx.GraphModule(gm, graph), where
+
+
 def split(gm: torch.fx.GraphModule, matcher: OpMatcher) -> SplitGraph:
     """Split ``gm`` (not mutated) at every node ``matcher`` accepts.
 
@@ -128,6 +156,7 @@ def split(gm: torch.fx.GraphModule, matcher: OpMatcher) -> SplitGraph:
         else:
             partition_of[node] = current
 
+    gm, partition_of = _inline_constant_floats(gm, partition_of)
     split_gm = compat.split_module(gm, lambda node: partition_of[node])
     pieces = []
     for node in split_gm.graph.nodes:
@@ -138,3 +167,26 @@ def split(gm: torch.fx.GraphModule, matcher: OpMatcher) -> SplitGraph:
         pieces.append(Piece(node.target, reason is not None, reason or "between split ops"))
     log.debug("split into %d pieces: %s", len(pieces), [p.name for p in pieces])
     return SplitGraph(split_gm, tuple(pieces))
+
+
+def pieces_return_floats(sg: SplitGraph) -> bool:
+    """True when a compiled piece returns a SymFloat.
+
+    A Python float Dynamo kept symbolic (GPT-2's attention ``scaling`` becomes
+    ``scaling_tensor.item()``, its GELU ``math.sqrt(2 / math.pi)`` a ``_sym_sqrt`` node)
+    can be computed in one piece and used by the next piece or by a split op. Inductor
+    cannot return a SymFloat from a graph (it fails with an assertion on the output
+    list). Floats Dynamo already pinned to a value are passed on as constants by
+    :func:`split`; any left here must be specialized by tracing again.
+    """
+    for piece in sg.compiled_pieces:
+        for node in getattr(sg.gm, piece.name).graph.nodes:
+            if node.op != "output":
+                continue
+            outputs = node.args[0] if isinstance(node.args[0], (tuple, list)) else [node.args[0]]
+            for value in outputs:
+                if isinstance(value, torch.fx.Node) and isinstance(
+                    compat.placeholder_example(value), torch.SymFloat
+                ):
+                    return True
+    return False

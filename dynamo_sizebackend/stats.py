@@ -25,6 +25,9 @@ class StatsSnapshot:
     fallbacks: dict[str, int] = field(default_factory=dict)
     cache_hits: int = 0
     cache_misses: int = 0
+    cache_skips: dict[str, int] = field(default_factory=dict)
+    """Pieces the artifact cache could not serve or keep, by reason (``"corrupt"``,
+    ``"guards"``, ``"unkeyable"``...; see ``cache.py``)."""
     captures: dict[str, int] = field(default_factory=dict)
     compile_seconds: float = 0.0
 
@@ -39,6 +42,7 @@ class StatsSnapshot:
             "fallbacks": dict(self.fallbacks),
             "cache_hits": self.cache_hits,
             "cache_misses": self.cache_misses,
+            "cache_skips": dict(self.cache_skips),
             "captures": dict(self.captures),
             "compile_seconds": self.compile_seconds,
         }
@@ -55,7 +59,7 @@ class Counters:
         with self._lock:
             self._ints: Counter[str] = Counter()
             self._maps: dict[str, Counter[str]] = {
-                k: Counter() for k in ("compiles", "calls", "fallbacks", "captures")
+                k: Counter() for k in ("compiles", "calls", "fallbacks", "captures", "cache_skips")
             }
             self._seconds = 0.0
 
@@ -64,6 +68,8 @@ class Counters:
             self._ints[name] += n
 
     def add_keyed(self, name: str, key: str, n: int = 1) -> None:
+        if not n:  # a zero would still create the key and show up in snapshots
+            return
         with self._lock:
             self._maps[name][key] += n
 
@@ -80,6 +86,7 @@ class Counters:
                 reused=self._ints["reused"],
                 cache_hits=self._ints["cache_hits"],
                 cache_misses=self._ints["cache_misses"],
+                cache_skips=dict(self._maps["cache_skips"]),
                 compiles=dict(self._maps["compiles"]),
                 calls=dict(self._maps["calls"]),
                 fallbacks=dict(self._maps["fallbacks"]),
