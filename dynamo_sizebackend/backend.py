@@ -247,7 +247,8 @@ class _BackgroundJob(threading.Thread):
                 if self.cancelled.is_set():
                     return
                 try:
-                    program = self.compile_size(size)
+                    with compat.calls_elsewhere_survive_fx_tracing():
+                        program = self.compile_size(size)
                 except SizeCompileError as e:  # strict: no caller here, so the next call raises
                     self.runner.fail(e)
                     return

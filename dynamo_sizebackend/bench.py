@@ -20,6 +20,12 @@ the schedule, so every Dynamo trace and compile happens there (as vLLM's "init e
 warms up); the variants are initialized one after the other. Then the full generation
 runs ``--repeat`` rounds, every variant once per round on a zeroed KV cache, and each
 variant's fastest run gives its throughput. No compilation happens in the timed runs.
+
+One intra-op thread by default (``--threads``): on a machine of a couple of cores shared
+with other work, OpenMP workers that spin-wait for a core another process holds cut
+throughput several-fold (7x measured on a busy 2-core machine, every variant alike), so
+the ratios would measure the neighbours instead of the compilers. Pass ``--threads 2``
+on a quiet machine.
 """
 from __future__ import annotations
 
@@ -33,9 +39,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .stats import reset_stats, stats
 from .models.llama import PRESETS, SizeLlama, build_model
 from .scheduler import Request, Scheduler, make_requests, plan, size_histogram
+from .stats import reset_stats, stats
 
 VARIANTS = ("eager", "dynamic", "sizebackend")
 #: A greedy mismatch whose two tokens' reference logits are closer than this is a
@@ -67,10 +73,10 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"comma-separated subset of {','.join(VARIANTS)}")
     p.add_argument("--compiler", default="inductor", choices=("inductor", "eager"),
                    help="what compiles the pieces: 'eager' (no codegen) is for quick checks")
-    p.add_argument("--repeat", type=int, default=3,
+    p.add_argument("--repeat", type=int, default=5,
                    help="timed runs per variant; the fastest counts")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (default: torch's, one per core)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (see the module docstring for why 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the requests")
     p.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
     return p
@@ -102,10 +108,15 @@ class Workload:
 class Result:
     name: str
     init_seconds: float
-    run_seconds: float
-    """Fastest of the timed runs."""
     outputs: dict[int, list[int]]
+    runs: list[float] = dataclasses.field(default_factory=list)
+    """Seconds of every timed run."""
     stats: dict[str, Any] | None = None
+
+    @property
+    def run_seconds(self) -> float:
+        """The fastest run: the one least disturbed by whatever else the machine did."""
+        return min(self.runs)
 
     def rates(self, w: Workload) -> dict[str, float]:
         return {
@@ -191,7 +202,7 @@ def init_variant(name: str, model: SizeLlama, w: Workload, args, sizes: list[int
     forward = make_variant(name, model, args.compiler, sizes)
     reset_stats()
     zero_kv_cache(model)
-    result = Result(name, warm_up(forward, model, w, name), float("inf"), {})
+    result = Result(name, warm_up(forward, model, w, name), {})
     if name == "sizebackend":
         result.stats = {"init": stats().to_dict()}
     return forward, result
@@ -211,7 +222,7 @@ def timed_runs(
             if result.outputs and outputs != result.outputs:
                 raise RuntimeError(f"{result.name}: run {i + 1} generated other tokens than run 1")
             result.outputs = outputs
-            result.run_seconds = min(result.run_seconds, seconds)
+            result.runs.append(seconds)
             if result.name == "sizebackend":
                 run = stats().to_dict()
                 result.stats["run"] = {"calls": run["calls"], "fallbacks": run["fallbacks"]}
@@ -242,12 +253,13 @@ def compare_tokens(model: SizeLlama, w: Workload, reference: Result, other: Resu
     return mismatches
 
 
-def report(w: Workload, results: list[Result], repeat: int) -> dict[str, dict[str, float]]:
+def report(w: Workload, results: list[Result], repeat: int) -> dict[str, dict[str, Any]]:
     """Print the seed-style lines and the table; returns the figures per variant."""
     by_name = {r.name: r for r in results}
-    figures: dict[str, dict[str, float]] = {}
+    figures: dict[str, dict[str, Any]] = {}
     for r in results:
-        row = {**r.rates(w), "init_seconds": r.init_seconds, "run_seconds": r.run_seconds}
+        row = {**r.rates(w), "init_seconds": r.init_seconds, "run_seconds": r.run_seconds,
+               "all_run_seconds": r.runs}
         for base in ("eager", "dynamic"):
             if base in by_name:
                 row[f"vs_{base}"] = by_name[base].run_seconds / r.run_seconds
@@ -270,6 +282,8 @@ def report(w: Workload, results: list[Result], repeat: int) -> dict[str, dict[st
         print(f"{name:<12} {row['requests_per_s']:>10.2f} {row['total_tokens_per_s']:>12.1f} "
               f"{row['output_tokens_per_s']:>12.1f} {row['init_seconds']:>8.2f} "
               f"{ratios[0]:>9} {ratios[1]:>10}")
+    print("slowest/fastest run (machine noise): "
+          + ", ".join(f"{r.name} {max(r.runs) / min(r.runs):.2f}" for r in results))
     return figures
 
 
@@ -285,11 +299,15 @@ def report_tokens(mismatches: list[dict], num_variants: int, w: Workload) -> Non
               f"vs {m['tokens'][1]}, reference logit gap {m['logit_gap']:.2e}")
 
 
-def report_stats(result: Result) -> None:
+def report_stats(result: Result, sizes: list[int]) -> None:
     init, run = result.stats["init"], result.stats["run"]
     calls = sorted(run["calls"].items(), key=lambda kv: -kv[1])
     print("sizebackend calls in one run, by the pieces they ran: "
           + ", ".join(f"{key}: {n}" for key, n in calls))
+    static = [key for key, _ in calls if key != "dynamic" and int(key) not in sizes]
+    if static:  # Dynamo gives T=1 a graph of its own, whatever dynamic=True says
+        print(f"  ({', '.join(static)}: graphs Dynamo traced for that T alone; "
+              f"'dynamic': the general pieces)")
     print(f"sizebackend init: {init['graphs']} graphs, {init['pieces']} pieces, compiles "
           f"{init['compiles']}, cache hits {init['cache_hits']}, reused {init['reused']}, "
           f"fallbacks {init['fallbacks'] or 0}, {init['compile_seconds']:.1f} s compiling")
@@ -322,8 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     names = _check_args(args)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
 
     model = build_model(args.model, seed=args.seed)
     cfg = model.config
@@ -365,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report_tokens(mismatches, len(results), w)
     sb_result = next((r for r in results if r.name == "sizebackend"), None)
     if sb_result is not None:
-        report_stats(sb_result)
+        report_stats(sb_result, sizes)
 
     if args.json:
         payload = {

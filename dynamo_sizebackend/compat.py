@@ -244,8 +244,10 @@ def inductor_option_problem(key: str, value: Any) -> str | None:
 
 def added_guards(fake_mode) -> bool:
     """True when compiling in ``fake_mode`` (a fresh one, see :func:`new_fake_mode`) made
-    decisions that hold only for some values of its symbols (``ShapeEnv.guards``)."""
-    return bool(fake_mode.shape_env.guards)
+    decisions that hold only for some values of its symbols (guards, or symbols replaced
+    by an expression or a constant)."""
+    env = fake_mode.shape_env
+    return bool(env.guards or env.replacements)
 
 
 def guard_checker(fake_mode, placeholders: Sequence[Any]) -> tuple[str, Callable[[Sequence[Any]], bool]]:
@@ -421,3 +423,37 @@ def restart_with_floats_specialized(names: set[str]) -> None:
     for name in fresh:
         TensorifyState.specialize(name)
     raise TensorifyScalarRestartAnalysis
+
+
+_NESTED_FX_LOCK = __import__("threading").Lock()
+_NESTED_FX_USERS = [0, True]  # [background compiles running, the setting they replaced]
+
+
+@__import__("contextlib").contextmanager
+def calls_elsewhere_survive_fx_tracing():
+    """For a compile on a thread of our own (background mode): keep other threads'
+    calls into torch.compile'd code from raising while it runs.
+
+    Inductor's AOT trace (``make_fx``) sets FX's process-global "symbolic tracing" flag
+    and patches ``nn.Module.__call__`` for every thread. A call into any Dynamo-optimized
+    function on another thread meanwhile raises "Detected that you are using FX to
+    symbolically trace a dynamo-optimized function" (in torch 2.13 most calls made while
+    a background compile ran did). With ``error_on_nested_fx_trace`` off Dynamo runs such
+    a call's function as it is, uncompiled: eager numerics, slower, and not counted in
+    ``stats().calls``. Reference-counted across concurrent background compiles; the
+    setting is put back when the last one ends.
+    """
+    import torch._dynamo.config as dynamo_config
+
+    with _NESTED_FX_LOCK:
+        if _NESTED_FX_USERS[0] == 0:
+            _NESTED_FX_USERS[1] = dynamo_config.error_on_nested_fx_trace
+            dynamo_config.error_on_nested_fx_trace = False
+        _NESTED_FX_USERS[0] += 1
+    try:
+        yield
+    finally:
+        with _NESTED_FX_LOCK:
+            _NESTED_FX_USERS[0] -= 1
+            if _NESTED_FX_USERS[0] == 0:
+                dynamo_config.error_on_nested_fx_trace = _NESTED_FX_USERS[1]

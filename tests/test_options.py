@@ -60,6 +60,18 @@ def test_seed_string_with_expanded_sequence():
         ("{'compile_sizes': [1, 2}", r"not a Python dict literal"),
         ("__import__('os').getcwd()", r"not a Python dict literal"),
         ("[1, 2]", r"must be a dict.*list"),
+        ("{{'compile_sizes': [1]}}", r"not a Python dict literal"),  # a set of a dict
+        ("{'compile_sizes': [1]} junk", r"not a Python dict literal"),
+        ("[" * 1000 + "]" * 1000, r"not a Python dict literal"),
+        ({"compile_sizes": [[1]]}, r"'compile_sizes'.*\[1\] is not"),
+        ({"compile_sizes": {1, 2}}, r"'compile_sizes'.*list of positive ints"),
+        ({"batch_dim": [True, 0]}, r"'batch_dim'.*got \[True, 0\]"),
+        ({"cudagraph_warmups": True}, r"'cudagraph_warmups'.*got True"),
+        ({"compiler": None}, r"'compiler'.*got None"),
+        ({None: 1}, r"unknown option None"),
+        ({"inductor_options": {"max_autotun": True}}, r"'inductor_options'.*'max_autotun'.*no such"),
+        ({"inductor_options": {"max_autotune": "yes"}}, r"'inductor_options'.*'max_autotune'.*bool"),
+        ({"inductor_options": {1: 2}}, r"'inductor_options'.*str keys"),
     ],
 )
 def test_bad_options_name_key_and_value(options, match):
@@ -99,3 +111,31 @@ def test_cudagraphs_without_cuda_is_an_error():
     compiled = torch.compile(MLP(), backend="sizebackend", options={"cudagraphs": True})
     with pytest.raises(ValueError, match=r"'cudagraphs'.*no.*CUDA|'cudagraphs'.*CUDA"):
         compiled(torch.randn(3, 16))
+
+
+def test_inductor_options_accept_torch_compile_spellings():
+    opts = parse_options({"inductor_options": {"max-autotune": False, "triton.cudagraphs": False}})
+    assert opts.inductor_options == {"max_autotune": False, "triton.cudagraphs": False}
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ("compile_sizes: [1, 2]", r"not a Python dict literal"),
+        ("{'compile_sizes': [1, 2]", r"not a Python dict literal"),
+        ({"compile_sizes": [1, [2]]}, r"'compile_sizes'.*\[2\] is not"),
+        ({"compile_sizes": [1 << 40]}, r"'compile_sizes'.*larger than the maximum"),
+        ({"compile_sizes": [-2]}, r"'compile_sizes'.*-2 is not"),
+        ({"compile_sizes": [False]}, r"'compile_sizes'.*False is not"),
+        ({"compiler": "tvm"}, r"'compiler'.*got 'tvm'"),
+        ({"inductor_options": {"no_such_entry": 1}}, r"'inductor_options'.*'no_such_entry'"),
+        ({"cudagraph_warmups": True}, r"'cudagraph_warmups'.*got True"),
+    ],
+)
+def test_malformed_options_fail_the_first_compile_with_a_value_error(options, match):
+    # torch.compile itself accepts anything; the first call hands the graph to the
+    # backend, which names the key and the value (no wrapping BackendCompilerFailed).
+    compiled = torch.compile(MLP(), backend="sizebackend", options=options)
+    with pytest.raises(ValueError, match=match) as info:
+        compiled(torch.randn(3, 16))
+    assert type(info.value).__module__ == "dynamo_sizebackend.options"

@@ -1,0 +1,154 @@
+"""Compile cost of sizebackend, in one run, as ratios (issue 4).
+
+On the built-in Llama-style model (``dynamo_sizebackend.models``, preset ``tiny`` with
+2 and 8 layers), every measure in a fresh process with its own cache folders:
+
+- cold compile (empty Inductor and sizebackend caches), 8 layers / 2 layers: identical
+  layers compile once, so depth should cost little (target <= 1.2);
+- warm start (a new process, both caches kept) / cold (target <= 0.10), and, for
+  information, a warm start that kept only sizebackend's cache (on CPU, loading then
+  rebuilds Inductor's C++ kernels);
+- sizebackend cold vs ``torch.compile(dynamic=False)``, which compiles the whole graph
+  once per size (target: sizebackend faster);
+- time to first output: ``compile_mode="background"`` vs the general shape compiled
+  alone (target: no slower), and vs ``compile_mode="eager"``.
+
+"Compile" is the wall time of the calls that compile: one at T=3 tokens (the dynamic
+graph: general pieces and every listed size it covers) and one per listed size (size 1
+is a graph of its own: Dynamo specializes a dim of 1).
+
+    python benchmarks/bench_compile.py [--sizes 1,2,4,8] [--layers 2,8] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def _inputs(torch, vocab: int, tokens: int):
+    g = torch.Generator().manual_seed(tokens)
+    return (torch.randint(vocab, (tokens,), generator=g), torch.arange(tokens),
+            torch.zeros(tokens, dtype=torch.long))
+
+
+def child(spec: dict) -> dict:
+    """One measurement, in this (fresh) process."""
+    start = time.perf_counter()
+    import dataclasses
+
+    import torch
+
+    import dynamo_sizebackend as sb
+    from dynamo_sizebackend import backend
+    from dynamo_sizebackend.models import build_model, config
+
+    imported = time.perf_counter() - start
+    cfg = dataclasses.replace(config(spec["preset"]), num_layers=spec["layers"])
+    model = build_model(cfg)
+    model.allocate_kv_cache(8, 64)
+    sizes = spec["sizes"]
+    if spec["kind"] == "static":
+        compiled = torch.compile(model, dynamic=False)
+        order = sizes
+    else:
+        options = {"compile_sizes": sizes if spec["kind"] != "general" else [],
+                   "compile_mode": spec.get("mode", "eager")}
+        compiled = torch.compile(model, backend="sizebackend", dynamic=True, options=options)
+        order = [3] + sizes
+    times = []
+    with torch.no_grad():
+        for tokens in order:
+            t = time.perf_counter()
+            compiled(*_inputs(torch, cfg.vocab_size, tokens))
+            times.append(time.perf_counter() - t)
+            if spec.get("first_only"):
+                break
+        t = time.perf_counter()
+        for job in list(backend._LIVE_JOBS):  # background compiles still running
+            job.join()
+        background = time.perf_counter() - t
+    return {"first": times[0], "compile": sum(times), "background_after": background,
+            "import": imported, "stats": sb.stats().to_dict()}
+
+
+def measure(spec: dict, inductor_dir: str, cache_dir: str) -> dict:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_dir, SIZEBACKEND_CACHE_DIR=cache_dir)
+    run = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env,
+                         capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"{spec} failed:\n{run.stderr[-4000:]}")
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    s = result["stats"]
+    print(f"  {spec['label']:<44} {result['compile']:7.1f}s  first call {result['first']:6.1f}s  "
+          f"compiles {sum(s['compiles'].values()):3d} reused {s['reused']:3d} "
+          f"hits {s['cache_hits']:3d}", flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1,2,4,8")
+    parser.add_argument("--layers", default="2,8", help="shallow,deep")
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return 0
+
+    sizes = [int(s) for s in args.sizes.split(",")]
+    shallow, deep = (int(n) for n in args.layers.split(","))
+    root = tempfile.mkdtemp(prefix="bench-compile-")
+    fresh = iter(range(100))
+
+    def dirs() -> tuple[str, str]:
+        n = next(fresh)
+        return os.path.join(root, f"inductor{n}"), os.path.join(root, f"sizebackend{n}")
+
+    def spec(label, layers, kind="sizebackend", **extra):
+        return dict(label=label, layers=layers, kind=kind, sizes=sizes, preset=args.preset, **extra)
+
+    print(f"compile cost, preset {args.preset!r}, sizes {sizes}, {os.cpu_count()} CPUs")
+    r = {}
+    r["cold_shallow"] = measure(spec(f"cold, {shallow} layers", shallow), *dirs())
+    deep_dirs = dirs()
+    r["cold_deep"] = measure(spec(f"cold, {deep} layers", deep), *deep_dirs)
+    r["warm_deep"] = measure(spec(f"warm start, {deep} layers", deep), *deep_dirs)
+    r["warm_ours_only"] = measure(spec(f"warm, Inductor cache emptied, {deep} layers", deep),
+                                  dirs()[0], deep_dirs[1])
+    r["static_deep"] = measure(spec(f"torch.compile(dynamic=False), {deep} layers", deep,
+                                    kind="static"), *dirs())
+    r["general_deep"] = measure(spec(f"general shape only, {deep} layers", deep, kind="general",
+                                     first_only=True), *dirs())
+    r["background_deep"] = measure(spec(f"background mode, {deep} layers", deep,
+                                        mode="background"), *dirs())
+
+    cold, warm = r["cold_deep"]["compile"], r["warm_deep"]["compile"]
+    rows = [
+        (f"cold {deep} layers / cold {shallow} layers", cold / r["cold_shallow"]["compile"], "<= 1.2"),
+        ("warm start / cold", warm / cold, "<= 0.10"),
+        ("warm, only our cache kept / cold", r["warm_ours_only"]["compile"] / cold, "(info)"),
+        ("sizebackend cold / dynamic=False per size", cold / r["static_deep"]["compile"], "< 1"),
+        ("first output: background / general alone",
+         r["background_deep"]["first"] / r["general_deep"]["first"], "<= 1.0"),
+        ("first output: background / eager mode",
+         r["background_deep"]["first"] / r["cold_deep"]["first"], "(info)"),
+    ]
+    print()
+    print(f"  {'ratio':<44} {'value':>7}  target")
+    for name, value, target in rows:
+        print(f"  {name:<44} {value:7.2f}  {target}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"results": r, "ratios": {n: v for n, v, _ in rows}}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
