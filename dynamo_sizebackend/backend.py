@@ -6,6 +6,8 @@ then see the name twice ("duplicate name").
 """
 from __future__ import annotations
 
+import atexit
+import concurrent.futures.thread  # noqa: F401  (registers its exit hook before ours)
 import logging
 import threading
 import weakref
@@ -14,7 +16,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from . import compat
+from . import compat, cudagraphs, padding
 from .cache import for_options as piece_cache_for
 from .compiler import CompiledPiece, compile_piece, make_adaptor, size_key
 from .dispatch import Program, Runner, generated_forward
@@ -60,6 +62,8 @@ class GraphCompiler:
         self.cache = piece_cache_for(options)  # None for the eager adaptor
         self.progress = CompileProgress(f"sizebackend graph {graph_id}")
         self._warned: set[str] = set()
+        self._factory = None
+        self._placeholders: dict[str, torch.fx.Node] = {}
 
     def _fallback(self, key: str, what: str, error: Exception, uncompiled: bool = False) -> None:
         """Count and log (once per graph and size) a failed compile, or raise under
@@ -161,13 +165,42 @@ class GraphCompiler:
                 "sizebackend: graph %d: size %d pieces assume %s; calls that break it run "
                 "the general pieces", self.graph_id, size, source,
             )
-        return Program(key, pieces, check=check)
+        if self.options.cudagraphs:
+            pieces = self._capture_pieces(sg, pieces, size)
+        return Program(key, pieces, check=check, clone_outputs=self.options.cudagraphs)
+
+    def _capture_pieces(self, sg: SplitGraph, pieces: dict, size: int) -> dict:
+        """Wrap each compiled piece of ``size`` for capture/replay (split ops stay eager).
+        Inputs that are parameters or buffers (not user inputs) are never copied."""
+        factory = self.graph_factory()
+        stable = cudagraphs.StablePointers()
+        split_ops = {p.name for p in sg.pieces if p.is_split_op}
+        wrapped = dict(pieces)
+        for node in sg.gm.graph.nodes:
+            if node.op != "call_module" or node.target in split_ops:
+                continue
+            static = frozenset(
+                i for i, a in enumerate(node.args)
+                if isinstance(a, torch.fx.Node) and a.op == "placeholder"
+                and not compat.is_user_input(self._placeholders.get(a.name, a))
+            )
+            wrapped[node.target] = cudagraphs.CudaGraphPiece(
+                pieces[node.target], size, factory, stable, self.options.cudagraph_warmups, static
+            )
+        return wrapped
+
+    def graph_factory(self):
+        """One capture memory pool per Dynamo graph."""
+        if self._factory is None:
+            self._factory = cudagraphs.CudaGraphFactory()
+        return self._factory
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Runner:
         batch = find_batch(gm, self.options.batch_dim)
         sg = split(gm, OpMatcher(self.options.splitting_ops))
 
         fakes = [compat.placeholder_example(n) for n in gm.graph.nodes if n.op == "placeholder"]
+        self._placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
         fake_mode = compat.graph_fake_mode(fakes)
         if self.options.compiler != "eager" and pieces_return_floats(sg):
             floats = compat.float_symbol_names(fake_mode)
@@ -198,16 +231,21 @@ class GraphCompiler:
 
         symbol = batch.symbol
         lower, upper = compat.symbol_range(fake_mode, symbol)
-        sizes = [n for n in self.options.compile_sizes if n >= lower and (upper is None or n <= upper)]
-        if len(sizes) < len(self.options.compile_sizes):
+        wanted = cudagraphs.effective_compile_sizes(self.options)
+        sizes = [n for n in wanted if n >= lower and (upper is None or n <= upper)]
+        if len(sizes) < len(wanted):
             log.info(
                 "sizebackend: graph %d: sizes %s are outside the batch range [%s, %s] this graph "
                 "can see (Dynamo sends them to graphs of their own); not compiling them here",
-                self.graph_id, sorted(set(self.options.compile_sizes) - set(sizes)), lower, upper,
+                self.graph_id, sorted(set(wanted) - set(sizes)), lower, upper,
             )
 
         def compile_size(size: int) -> Program | None:
             return self.compile_size(sg, recorder.inputs, symbol, size, general, fakes)
+
+        def compile_size_later(size: int) -> Program | None:  # lazy and background modes
+            with compat.compile_session():
+                return compile_size(size)
 
         mode = self.options.compile_mode
         by_size: dict[int, Program] = {}
@@ -220,11 +258,29 @@ class GraphCompiler:
             self.progress.close()  # a size that failed leaves steps unused
         runner = Runner(
             forward, general, by_size, batch.arg_index, batch.dim,
-            pending=set(sizes) if mode == "lazy" else None, compile_size=compile_size,
+            pending=set(sizes) if mode == "lazy" else None, compile_size=compile_size_later,
+            pad=self._pad_plan(gm, fakes, symbol, sizes),
         )
         if mode == "background" and sizes:
-            _start_background(runner, sizes, compile_size)
+            _start_background(runner, sizes, compile_size_later)
         return runner
+
+
+    def _pad_plan(self, gm, fakes, symbol, sizes) -> padding.PadPlan | None:
+        if not self.options.pad_to_size or not sizes:
+            return None
+        mutated = padding.mutated_inputs(gm)
+        if mutated:
+            log.warning(
+                "sizebackend: graph %d writes its inputs %s in place; pad_to_size would write "
+                "a padded copy, so this graph runs unlisted sizes unpadded", self.graph_id, mutated,
+            )
+            COUNTERS.add_keyed("fallbacks", "pad_to_size")
+            return None
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        outs = [compat.placeholder_example(o) if isinstance(o, torch.fx.Node) else o
+                for o in output.args[0]]
+        return padding.plan(fakes, outs, symbol, sizes)
 
 
 _LIVE_JOBS: "weakref.WeakSet[_BackgroundJob]" = weakref.WeakSet()
@@ -247,8 +303,7 @@ class _BackgroundJob(threading.Thread):
                 if self.cancelled.is_set():
                     return
                 try:
-                    with compat.calls_elsewhere_survive_fx_tracing():
-                        program = self.compile_size(size)
+                    program = self.compile_size(size)
                 except SizeCompileError as e:  # strict: no caller here, so the next call raises
                     self.runner.fail(e)
                     return
@@ -261,6 +316,27 @@ def _start_background(runner: Runner, sizes: list[int], compile_size) -> None:
     _LIVE_JOBS.add(job)
     runner.background = job
     job.start()
+
+
+def _stop_background_jobs() -> None:
+    """At exit Python stops daemon threads wherever they are; one inside an Inductor
+    compile aborts the process ("terminate called without an active exception", exit
+    status 134). Cancel the jobs and wait for the size each is compiling.
+
+    Registered like ``concurrent.futures`` registers its own shutdown (Python's
+    ``threading._register_atexit``), and after it, so it runs first: Inductor's
+    compile still has its thread pools while the last size finishes.
+    """
+    jobs = [job for job in list(_LIVE_JOBS) if job.is_alive()]
+    for job in jobs:
+        job.cancelled.set()
+    if jobs:
+        log.info("sizebackend: waiting for %d background compile(s) to stop", len(jobs))
+    for job in jobs:
+        job.join()
+
+
+getattr(threading, "_register_atexit", atexit.register)(_stop_background_jobs)
 
 
 _graph_counter = iter(range(1 << 62))
@@ -276,7 +352,7 @@ def sizebackend(
             f"options={{'inductor_options': {{...}}}} (got mode={mode!r})"
         )
     opts = parse_options(options)
-    if opts.cudagraphs and not torch.cuda.is_available():
+    if opts.cudagraphs and not cudagraphs.cuda_available():
         raise OptionError(
             "sizebackend option 'cudagraphs': CUDA graphs need a CUDA device and none is "
             "available (got True)"

@@ -31,6 +31,11 @@ from .stats import COUNTERS
 log = logging.getLogger(__name__)
 
 
+def cuda_available() -> bool:
+    """Whether captures can run here (one place, so CPU tests can stand in a simulator)."""
+    return torch.cuda.is_available()
+
+
 def effective_compile_sizes(options: SizeBackendOptions) -> tuple[int, ...]:
     """The seed's rule: with cudagraphs on, a compile size that is not a capture size is
     dropped (a batch of 3 is padded to 4 and never runs at 3), with one warning."""
@@ -41,11 +46,13 @@ def effective_compile_sizes(options: SizeBackendOptions) -> tuple[int, ...]:
     kept = tuple(n for n in sizes if n in capture)
     dropped = [n for n in sizes if n not in capture]
     if dropped:
-        warnings.warn(
+        message = (
             f"sizebackend: compile_sizes {dropped} are not in cudagraph_sizes and are dropped "
-            f"(with cudagraphs on they would never run at their own size); compiling {list(kept)}",
-            stacklevel=2,
+            f"(with cudagraphs on they would never run at their own size); compiling {list(kept)}"
         )
+        # Both channels: Dynamo may run the backend with Python warnings filtered.
+        log.warning("%s", message)
+        warnings.warn(message, stacklevel=2)
     return kept
 
 

@@ -15,6 +15,8 @@ from typing import Any, Callable, Mapping
 
 import torch.fx
 
+from .cudagraphs import clone_outputs
+from .padding import PadPlan
 from .stats import COUNTERS
 
 log = logging.getLogger(__name__)
@@ -32,9 +34,11 @@ class Program:
         key: str,
         pieces: Mapping[str, Callable[..., Any]],
         check: Callable[[tuple[Any, ...]], bool] | None = None,
+        clone_outputs: bool = False,
     ):
         self.key = key
         self.check = check
+        self.clone_outputs = clone_outputs  # CUDA-graph replays overwrite their outputs
         for name, fn in pieces.items():
             setattr(self, name, fn)
 
@@ -65,6 +69,7 @@ class Runner:
         dim: int,
         pending: set[int] | None = None,
         compile_size: Callable[[int], Program | None] | None = None,
+        pad: PadPlan | None = None,
     ):
         self._forward = forward
         self._general = general
@@ -73,6 +78,7 @@ class Runner:
         self._dim = dim
         self._pending = pending or set()
         self._compile_size = compile_size
+        self._pad = pad
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._guard_misses: set[int] = set()
@@ -126,5 +132,20 @@ class Runner:
                 program = self._compile_pending(size) if size in self._pending else self._general
             elif program.check is not None and not program.check(args):
                 program = self._guard_miss(size, program)
+            if program is self._general and self._pad is not None:
+                return self._padded(args, size)
         COUNTERS.add_keyed("calls", program.key)
-        return self._forward(program, *args)
+        out = self._forward(program, *args)
+        return clone_outputs(out) if program.clone_outputs else out
+
+    def _padded(self, args: tuple[Any, ...], size: int) -> Any:
+        """``pad_to_size``: run on the next larger listed size's pieces, slice back."""
+        target = self._pad.target_for(size)
+        program = self._by_size.get(target) if target is not None else None
+        padded = self._pad.pad(args, size, target) if program is not None else None
+        if program is None or (program.check is not None and not program.check(tuple(padded))):
+            COUNTERS.add_keyed("calls", self._general.key)
+            return self._forward(self._general, *args)
+        COUNTERS.add_keyed("calls", program.key)
+        out = self._pad.unpad(self._forward(program, *padded), size)
+        return clone_outputs(out) if program.clone_outputs else out

@@ -98,3 +98,31 @@ def test_cuda_piece_capture_and_replay():
     for _ in range(4):
         x = torch.randn(4, 8, device="cuda")
         torch.testing.assert_close(clone_outputs(piece(x, w))[0], x @ w)
+
+
+@torch.no_grad()
+def test_cudagraph_wiring_through_the_backend_on_a_simulator(monkeypatch, caplog):
+    """The whole path (seed rule, per-piece capture, split ops eager, outputs cloned)
+    on CPU, with the simulated graph standing in for torch.cuda.CUDAGraph."""
+    from dynamo_sizebackend import backend
+
+    from .nets import TinyTransformer, batch, compile_sb
+
+    monkeypatch.setattr(backend.cudagraphs, "cuda_available", lambda: True)
+    monkeypatch.setattr(backend.cudagraphs, "CudaGraphFactory", SimulatedGraphFactory)
+    model = TinyTransformer(layers=2).eval()
+    compiled = compile_sb(model, compile_sizes=[2, 3, 4], compiler="eager", cudagraphs=True,
+                          cudagraph_warmups=1, cache_dir=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = compiled(batch(4))
+    assert [r.getMessage() for r in caplog.records if "[3] are not in cudagraph_sizes" in r.getMessage()]
+    outs = [first] + [compiled(batch(4, seed=s)) for s in range(2, 6)]
+    for s, out in zip([1, 2, 3, 4, 5], outs):
+        torch.testing.assert_close(out, model(batch(4, seed=s)))
+    # Size 3 was dropped by the seed rule: compiles for the general shape, 2 and 4 only.
+    assert sb.stats().compiles == {"dynamic": 3, "2": 3, "4": 3}
+    # 3 pieces captured once at size 4 (first call warms up, second captures).
+    assert sb.stats().captures == {"4": 3}
+    torch.testing.assert_close(compiled(batch(3)), model(batch(3)))
+    assert sb.stats().calls["dynamic"] == 1
