@@ -110,7 +110,9 @@ class Result:
     init_seconds: float
     outputs: dict[int, list[int]]
     runs: list[float] = dataclasses.field(default_factory=list)
-    """Seconds of every timed run."""
+    """Wall seconds of every timed run."""
+    cpu_runs: list[float] = dataclasses.field(default_factory=list)
+    """Process CPU seconds of every timed run."""
     stats: dict[str, Any] | None = None
 
     @property
@@ -174,11 +176,14 @@ def warm_up(forward: Forward, model: SizeLlama, w: Workload, name: str) -> float
     return time.perf_counter() - start
 
 
-def generate(forward: Forward, w: Workload, desc: str) -> tuple[dict[int, list[int]], float]:
-    """Run the whole workload once; returns every request's tokens and the seconds taken."""
+def generate(
+    forward: Forward, w: Workload, desc: str
+) -> tuple[dict[int, list[int]], float, float]:
+    """Run the whole workload once; returns every request's tokens and the wall and
+    process CPU seconds it took."""
     scheduler = Scheduler(w.requests, w.max_num_seqs, w.max_num_batched_tokens)
     with _bar(sum(w.histogram.values()), desc) as bar:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         while (step := scheduler.schedule()) is not None:
             logits = forward(
                 torch.tensor(step.input_ids), torch.tensor(step.positions), torch.tensor(step.slots)
@@ -186,8 +191,8 @@ def generate(forward: Forward, w: Workload, desc: str) -> tuple[dict[int, list[i
             sampled = logits[torch.tensor(step.sample_indices)].argmax(dim=-1).tolist()
             scheduler.update(step, sampled)
             bar.update(1)
-        elapsed = time.perf_counter() - start
-    return scheduler.outputs, elapsed
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    return scheduler.outputs, elapsed, cpu
 
 
 def zero_kv_cache(model: SizeLlama) -> None:
@@ -218,11 +223,12 @@ def timed_runs(
         for forward, result in variants:
             zero_kv_cache(model)
             reset_stats()  # so the sizebackend calls below count exactly one run
-            outputs, seconds = generate(forward, w, f"{result.name}: run {i + 1}/{repeat}")
+            outputs, seconds, cpu = generate(forward, w, f"{result.name}: run {i + 1}/{repeat}")
             if result.outputs and outputs != result.outputs:
                 raise RuntimeError(f"{result.name}: run {i + 1} generated other tokens than run 1")
             result.outputs = outputs
             result.runs.append(seconds)
+            result.cpu_runs.append(cpu)
             if result.name == "sizebackend":
                 run = stats().to_dict()
                 result.stats["run"] = {"calls": run["calls"], "fallbacks": run["fallbacks"]}
@@ -253,38 +259,61 @@ def compare_tokens(model: SizeLlama, w: Workload, reference: Result, other: Resu
     return mismatches
 
 
-def report(w: Workload, results: list[Result], repeat: int) -> dict[str, dict[str, Any]]:
-    """Print the seed-style lines and the table; returns the figures per variant."""
+def figures(w: Workload, results: list[Result]) -> dict[str, dict[str, Any]]:
+    """Per variant: the throughputs, times and ratios that are printed and written."""
     by_name = {r.name: r for r in results}
-    figures: dict[str, dict[str, Any]] = {}
+    rows: dict[str, dict[str, Any]] = {}
     for r in results:
+        cpu = min(r.cpu_runs)
         row = {**r.rates(w), "init_seconds": r.init_seconds, "run_seconds": r.run_seconds,
-               "all_run_seconds": r.runs}
+               "all_run_seconds": r.runs, "cpu_seconds": cpu, "all_cpu_seconds": r.cpu_runs,
+               "output_tokens_per_cpu_s": w.output_tokens / cpu}
         for base in ("eager", "dynamic"):
             if base in by_name:
                 row[f"vs_{base}"] = by_name[base].run_seconds / r.run_seconds
-        figures[r.name] = row
-        print(f"[{r.name}] Throughput: {row['requests_per_s']:.2f} requests/s, "
+                row[f"cpu_vs_{base}"] = min(by_name[base].cpu_runs) / cpu
+        rows[r.name] = row
+    return rows
+
+
+def _ratios(row: dict[str, Any], prefix: str = "") -> str:
+    keys = (prefix + "vs_eager", prefix + "vs_dynamic")
+    cells = [f"{row[k]:.2f}x" if k in row else "-" for k in keys]
+    return f"{cells[0]:>9} {cells[1]:>10}"
+
+
+def report(w: Workload, results: list[Result], rows: dict[str, dict[str, Any]]) -> None:
+    """The seed-style lines, then the tables by wall time and by CPU time."""
+    for name, row in rows.items():
+        print(f"[{name}] Throughput: {row['requests_per_s']:.2f} requests/s, "
               f"{row['total_tokens_per_s']:.2f} total tokens/s, "
               f"{row['output_tokens_per_s']:.2f} output tokens/s")
-        what = "" if r.name == "eager" else ", compilation included"
-        print(f"[{r.name}] init engine (warm-up at {len(w.histogram)} batch sizes{what}) "
-              f"took {r.init_seconds:.2f} seconds")
+        what = "" if name == "eager" else ", compilation included"
+        print(f"[{name}] init engine (warm-up at {len(w.histogram)} batch sizes{what}) "
+              f"took {row['init_seconds']:.2f} seconds")
 
+    repeat = len(results[0].runs)
     print(f"\nthroughput: fastest of {repeat} full runs (round robin, after warm-up); "
           f"ratios of output tokens/s")
     head = (f"{'variant':<12} {'requests/s':>10} {'total tok/s':>12} {'output tok/s':>12} "
             f"{'init s':>8} {'vs eager':>9} {'vs dynamic':>10}")
-    print(head)
-    print("-" * len(head))
-    for name, row in figures.items():
-        ratios = [f"{row[k]:.2f}x" if k in row else "-" for k in ("vs_eager", "vs_dynamic")]
+    print(f"{head}\n{'-' * len(head)}")
+    for name, row in rows.items():
         print(f"{name:<12} {row['requests_per_s']:>10.2f} {row['total_tokens_per_s']:>12.1f} "
-              f"{row['output_tokens_per_s']:>12.1f} {row['init_seconds']:>8.2f} "
-              f"{ratios[0]:>9} {ratios[1]:>10}")
+              f"{row['output_tokens_per_s']:>12.1f} {row['init_seconds']:>8.2f} {_ratios(row)}")
     print("slowest/fastest run (machine noise): "
           + ", ".join(f"{r.name} {max(r.runs) / min(r.runs):.2f}" for r in results))
-    return figures
+
+    # CPU time leaves out the time the process waited for a core, the main noise on a
+    # shared machine (with --threads above 1 it includes OpenMP workers spinning).
+    print(f"\nthe same runs by process CPU time (least of {repeat}; "
+          f"leaves out waiting for a core):")
+    head = (f"{'variant':<12} {'cpu s':>8} {'output tok/cpu-s':>17} "
+            f"{'vs eager':>9} {'vs dynamic':>10}")
+    print(f"{head}\n{'-' * len(head)}")
+    for name, row in rows.items():
+        print(f"{name:<12} {row['cpu_seconds']:>8.2f} {row['output_tokens_per_cpu_s']:>17.1f} "
+              f"{_ratios(row, 'cpu_')}")
 
 
 def report_tokens(mismatches: list[dict], num_variants: int, w: Workload) -> None:
@@ -340,12 +369,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     names = _check_args(args)
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    try:
+        return _run(args, names)
+    finally:  # a process-wide setting; callers in the same process keep theirs
+        torch.set_num_threads(threads)
 
+
+def _run(args: argparse.Namespace, names: list[str]) -> int:
     model = build_model(args.model, seed=args.seed)
     cfg = model.config
     requests = make_requests(args.requests, args.input_len, args.output_len, cfg.vocab_size,
                              seed=args.seed, output_spread=args.output_spread)
+    # The dry run: the schedule, hence every step's T, is known before anything runs.
     steps = plan(requests, args.max_num_seqs, args.max_num_batched_tokens)
     w = Workload(requests, args.max_num_seqs, args.max_num_batched_tokens,
                  dict(size_histogram(steps)))
@@ -357,26 +394,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         sizes = most_frequent_sizes(w.histogram, args.num_compile_sizes)
     model.allocate_kv_cache(args.max_num_seqs, w.max_len)
-
-    common = sorted(w.histogram.items(), key=lambda kv: (-kv[1], kv[0]))
-    print(f"model {args.model}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-          f"vocab {cfg.vocab_size}; {torch.get_num_threads()} threads; "
-          f"compiled variants use {args.compiler}")
-    print(f"workload: {len(requests)} requests, input {args.input_len}, output "
-          f"{args.output_len} +-{args.output_spread:.0%}, max_num_seqs {args.max_num_seqs}: "
-          f"{len(steps)} steps at {len(w.histogram)} distinct T (tokens per step)")
-    print("steps per T (most frequent): " + ", ".join(f"{t}: {n}" for t, n in common[:8]))
-    listed = sum(n for t, n in w.histogram.items() if t in sizes)
-    print(f"sizebackend compile_sizes: {sizes} "
-          f"({'given' if args.compile_sizes else 'the most frequent T > 1'}); "
-          f"{listed} of {len(steps)} steps at a listed size\n")
+    _print_setup(args, cfg, w, sizes)
 
     torch._dynamo.reset()  # the compiled variants start from nothing traced
     with torch.no_grad():
         variants = [init_variant(name, model, w, args, sizes) for name in names]
         timed_runs(model, variants, w, args.repeat)
         results = [result for _, result in variants]
-        figures = report(w, results, args.repeat)
+        rows = figures(w, results)
+        report(w, results, rows)
         # Against the first variant (eager by default), token by token.
         mismatches = [m for r in results[1:] for m in compare_tokens(model, w, results[0], r)]
     report_tokens(mismatches, len(results), w)
@@ -387,11 +413,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         payload = {
             "config": {k: v for k, v in vars(args).items() if k != "json"},
-            "threads": torch.get_num_threads(),
             "compile_sizes": sizes,
-            "schedule": {"steps": len(steps), "steps_per_size": {str(t): n for t, n in common},
+            "schedule": {"steps": sum(w.histogram.values()),
+                         "steps_per_size": {str(t): n for t, n in _by_frequency(w.histogram)},
                          "total_tokens": w.total_tokens, "output_tokens": w.output_tokens},
-            "variants": figures,
+            "variants": rows,
             "tokens_identical": not mismatches,
             "token_mismatches": mismatches,
             "sizebackend_stats": sb_result.stats if sb_result is not None else None,
@@ -399,3 +425,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=2)
     return 1 if any(not m["tie"] for m in mismatches) else 0
+
+
+def _by_frequency(histogram: dict[int, int]) -> list[tuple[int, int]]:
+    return sorted(histogram.items(), key=lambda kv: (-kv[1], kv[0]))
+
+
+def _print_setup(args: argparse.Namespace, cfg, w: Workload, sizes: list[int]) -> None:
+    num_steps = sum(w.histogram.values())
+    print(f"model {args.model}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+          f"vocab {cfg.vocab_size}; {torch.get_num_threads()} threads; "
+          f"compiled variants use {args.compiler}")
+    print(f"workload: {len(w.requests)} requests, input {args.input_len}, output "
+          f"{args.output_len} +-{args.output_spread:.0%}, max_num_seqs {args.max_num_seqs}: "
+          f"{num_steps} steps at {len(w.histogram)} distinct T (tokens per step)")
+    print("steps per T (most frequent): "
+          + ", ".join(f"{t}: {n}" for t, n in _by_frequency(w.histogram)[:8]))
+    listed = sum(n for t, n in w.histogram.items() if t in sizes)
+    print(f"sizebackend compile_sizes: {sizes} "
+          f"({'given' if args.compile_sizes else 'the most frequent T > 1'}); "
+          f"{listed} of {num_steps} steps at a listed size\n")

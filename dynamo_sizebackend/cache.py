@@ -32,6 +32,7 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
 import threading
 import time
 import weakref
@@ -244,20 +245,26 @@ class PieceCache:
             return None
         if payload is None:
             return None
-        tmp = os.path.join(self.disk.folder, _tmp_name(key, "load"))
+        # torch loads from a path; the verified payload goes to a private temp file (in
+        # the system's temp folder, so that a read-only shared cache still serves).
         try:
-            with open(tmp, "wb") as f:
+            fd, tmp = tempfile.mkstemp(prefix="sizebackend-load-", suffix=SUFFIX)
+            with os.fdopen(fd, "wb") as f:
                 f.write(payload)
+        except OSError as e:
+            self._skip("read", "cannot stage %s for loading (%s); compiling %s",
+                       self.disk.path(key), e, name)
+            return None
+        try:
             artifact = compat.load_artifact(tmp)
-            if _returns_one_value(gm):
-                artifact = _FirstOutput(artifact)
         except Exception as e:  # torch's loader asserts on build mismatch; any failure: recompile
             self._skip("corrupt", "entry %s does not load (%s: %s); recompiling %s and replacing it",
                        self.disk.path(key), type(e).__name__, e, name)
             return None
         finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            os.unlink(tmp)
+        if _returns_one_value(gm):
+            artifact = _FirstOutput(artifact)
         COUNTERS.add("cache_hits")
         _SHARED.put(key, artifact)
         return artifact

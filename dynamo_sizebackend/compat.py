@@ -14,6 +14,7 @@ Why each is here:
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Sequence
 
 import torch
@@ -425,35 +426,23 @@ def restart_with_floats_specialized(names: set[str]) -> None:
     raise TensorifyScalarRestartAnalysis
 
 
-_NESTED_FX_LOCK = __import__("threading").Lock()
-_NESTED_FX_USERS = [0, True]  # [background compiles running, the setting they replaced]
+@contextlib.contextmanager
+def compile_session():
+    """Wrap a compile the backend starts on its own, outside Dynamo's (a lazy size on
+    first sight, a size in background mode), the way Dynamo wraps its own compiles.
 
-
-@__import__("contextlib").contextmanager
-def calls_elsewhere_survive_fx_tracing():
-    """For a compile on a thread of our own (background mode): keep other threads'
-    calls into torch.compile'd code from raising while it runs.
-
-    Inductor's AOT trace (``make_fx``) sets FX's process-global "symbolic tracing" flag
-    and patches ``nn.Module.__call__`` for every thread. A call into any Dynamo-optimized
-    function on another thread meanwhile raises "Detected that you are using FX to
-    symbolically trace a dynamo-optimized function" (in torch 2.13 most calls made while
-    a background compile ran did). With ``error_on_nested_fx_trace`` off Dynamo runs such
-    a call's function as it is, uncompiled: eager numerics, slower, and not counted in
-    ``stats().calls``. Reference-counted across concurrent background compiles; the
-    setting is put back when the last one ends.
+    Why both parts matter: Inductor's AOT trace (``make_fx``) sets FX's process-global
+    "symbolic tracing" flag and patches ``nn.Module.__call__`` for every thread. Any
+    call into torch.compile'd code on another thread meanwhile raises "Detected that you
+    are using FX to symbolically trace a dynamo-optimized function", unless the
+    process-global compile-session flag is also set, which Dynamo does around its own
+    compiles (torch 2.13: ``torch.compiler._compile_session_context``). In background
+    mode without it most calls made during the compile failed. That flag is saved and
+    restored, not counted, so two sessions must never overlap: Dynamo's ``compile_lock``
+    keeps this one from overlapping any Dynamo compile or another of ours (it is
+    re-entrant, so a lazy compile inside a Dynamo compile on the same thread is fine).
     """
-    import torch._dynamo.config as dynamo_config
+    from torch._dynamo.convert_frame import compile_lock
 
-    with _NESTED_FX_LOCK:
-        if _NESTED_FX_USERS[0] == 0:
-            _NESTED_FX_USERS[1] = dynamo_config.error_on_nested_fx_trace
-            dynamo_config.error_on_nested_fx_trace = False
-        _NESTED_FX_USERS[0] += 1
-    try:
+    with compile_lock, torch.compiler._compile_session_context():
         yield
-    finally:
-        with _NESTED_FX_LOCK:
-            _NESTED_FX_USERS[0] -= 1
-            if _NESTED_FX_USERS[0] == 0:
-                dynamo_config.error_on_nested_fx_trace = _NESTED_FX_USERS[1]

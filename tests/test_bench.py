@@ -2,8 +2,10 @@
 import json
 
 import pytest
+import torch
 
 from dynamo_sizebackend import bench
+from dynamo_sizebackend.models.llama import build_model
 from dynamo_sizebackend.scheduler import Scheduler, make_requests, plan, size_histogram
 
 
@@ -90,10 +92,12 @@ def test_most_frequent_sizes_skip_one():
 @pytest.mark.parametrize("variants", ["eager,sizebackend", "eager,dynamic,sizebackend"])
 def test_bench_end_to_end(tmp_path, capsys, variants):
     out = tmp_path / "bench.json"
+    threads = torch.get_num_threads()
     argv = ["--model", "tiny", "--requests", "6", "--input-len", "8", "--output-len", "6",
             "--max-num-seqs", "3", "--variants", variants, "--compiler", "eager",
             "--repeat", "1", "--json", str(out)]
     assert bench.main(argv) == 0
+    assert torch.get_num_threads() == threads  # --threads is undone on the way out
     printed = capsys.readouterr().out
     assert "tokens identical: yes" in printed
     assert "output tokens/s" in printed
@@ -119,3 +123,20 @@ def test_bench_end_to_end(tmp_path, capsys, variants):
 def test_bench_rejects_unknown_variant():
     with pytest.raises(SystemExit):
         bench.main(["--variants", "eager,fast"])
+
+
+def test_a_real_mismatch_is_not_a_tie():
+    """A token the model would not pick has a clear logit gap: reported, and not a tie."""
+    model = build_model("tiny")
+    requests = make_requests(2, input_len=4, output_len=3, vocab_size=256, seed=0)
+    steps = plan(requests, 2, 64)
+    w = bench.Workload(requests, 2, 64, dict(size_histogram(steps)))
+    model.allocate_kv_cache(2, w.max_len)
+    with torch.no_grad():
+        outputs, _, _ = bench.generate(model, w, "test")
+        reference = bench.Result("eager", 0.0, outputs)
+        wrong = {i: list(tokens) for i, tokens in outputs.items()}
+        wrong[1][1] = (wrong[1][1] + 1) % 256
+        mismatches = bench.compare_tokens(model, w, reference, bench.Result("other", 0.0, wrong))
+    assert [(m["request"], m["index"]) for m in mismatches] == [(1, 1)]
+    assert mismatches[0]["logit_gap"] > bench.TIE_TOLERANCE and not mismatches[0]["tie"]

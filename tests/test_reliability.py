@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import dynamo_sizebackend as sb
 from dynamo_sizebackend import compiler
@@ -550,3 +551,52 @@ def test_threads_racing_for_a_lazy_size_compile_it_once(monkeypatch):
     assert calls["4"] >= 1 and calls["4"] + calls["dynamic"] == 8 + 1
     with sb.expect(compiles={}, calls={"4": 1}):
         torch.testing.assert_close(compiled(batch(4)), expected)
+
+
+class TracingCompiler(AdaptorSpy):
+    """Like Inductor's AOT trace: each sized compile runs ``make_fx`` (which sets FX's
+    process-global tracing flag and patches ``nn.Module.__call__`` for every thread)
+    on a function that takes a while."""
+
+    def __init__(self, monkeypatch, seconds: float):
+        super().__init__(monkeypatch)
+        checked = compiler.EagerAdaptor.compile
+
+        def slow(x):
+            time.sleep(seconds)
+            return x * 2
+
+        def compile(adaptor, gm, example_inputs, runtime_size, fake_mode=None):
+            if runtime_size is not None:
+                make_fx(slow)(torch.ones(2))
+            return checked(adaptor, gm, example_inputs, runtime_size, fake_mode)
+
+        monkeypatch.setattr(compiler.EagerAdaptor, "compile", compile)
+
+
+@pytest.mark.parametrize("mode", ["background", "lazy"])
+@torch.no_grad()
+def test_calls_on_other_threads_survive_a_compile_outside_dynamo(monkeypatch, mode):
+    # Without the compile-session flag Dynamo sets around its own compiles, calls made
+    # while our own (background, lazy) compile traced raised "Detected that you are using
+    # FX to symbolically trace a dynamo-optimized function".
+    TracingCompiler(monkeypatch, seconds=0.3)
+    model = TinyTransformer(layers=1).eval()
+    compiled = compile_sb(model, compile_sizes=[4], compiler="eager", compile_mode=mode)
+    x3, x4 = batch(3), batch(4)
+    want3, want4 = model(x3), model(x4)
+    compiled(x3)
+    done = threading.Event()
+
+    def call_while_compiling(i):
+        if i == 0 and mode == "lazy":  # this thread compiles size 4 (2 pieces, 0.6 s)
+            torch.testing.assert_close(compiled(x4), want4)
+            done.set()
+            return
+        deadline = time.monotonic() + 60
+        while not (done.is_set() or sb.stats().compiles.get("4") == 2):
+            torch.testing.assert_close(compiled(x3), want3)
+            assert time.monotonic() < deadline
+
+    run_threads(3, call_while_compiling)
+    assert sb.stats().compiles.get("4") == 2
