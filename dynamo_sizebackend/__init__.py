@@ -4,10 +4,11 @@
 splits the Dynamo graph at attention ops, compiles every piece once for the general
 (symbolic) batch size and once per listed size, and dispatches each call by its batch size.
 """
-from . import ops  # noqa: F401  (registers the sizebackend:: op library)
-from .options import SizeBackendOptions, parse_options
-from .stats import expect, reset_stats, stats
-
-__all__ = ["SizeBackendOptions", "parse_options", "stats", "reset_stats", "expect"]
-
 __version__ = "0.1.0"
+
+from . import ops  # noqa: E402,F401  (registers the sizebackend:: op library)
+from .backend import SizeCompileError  # noqa: E402
+from .options import SizeBackendOptions, parse_options  # noqa: E402
+from .stats import expect, reset_stats, stats  # noqa: E402
+
+__all__ = ["SizeBackendOptions", "SizeCompileError", "parse_options", "stats", "reset_stats", "expect"]
