@@ -72,12 +72,14 @@ def main(argv=None) -> int:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--seq", type=int, default=16)
     p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--threads", type=int, default=1,
+                   help="intra-op threads; 1 keeps figures stable on a shared 2-core machine")
     p.add_argument("--json")
     args = p.parse_args(argv)
     listed = [int(s) for s in args.sizes.split(",")]
     unlisted = [int(s) for s in args.unlisted.split(",")]
     sizes = sorted(listed + unlisted)
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    torch.set_num_threads(args.threads)
     torch._dynamo.config.recompile_limit = 64  # dynamic=False recompiles once per size
 
     model = Net(args.layers, args.dim, 4).eval()
