@@ -121,13 +121,6 @@ def symint_from_expr(fake_mode, expr, hint: int) -> torch.SymInt:
     return fake_mode.shape_env.create_symintnode(expr, hint=hint)
 
 
-def hint_of(value: Any) -> int:
-    """The concrete value Dynamo saw for a SymInt."""
-    node = value.node
-    hint = node.hint if node.has_hint() else node.shape_env.size_hint(node.expr)
-    return int(hint)
-
-
 def hint_of_symbol(value: Any, symbol) -> int:
     """The concrete value Dynamo saw for one free symbol of ``value``'s expression."""
     env = value.node.shape_env

@@ -93,11 +93,6 @@ class Runner:
         call from now on raises it (a background thread has no caller to raise to)."""
         self._error = error
 
-    def batch_size(self, args: tuple[Any, ...]) -> int | None:
-        if self._arg_index is None:
-            return None
-        return args[self._arg_index].shape[self._dim]
-
     def _compile_pending(self, size: int) -> Program:
         with self._lock:
             program = self._by_size.get(size)
