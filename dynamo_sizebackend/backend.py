@@ -63,7 +63,6 @@ class GraphCompiler:
         self.progress = CompileProgress(f"sizebackend graph {graph_id}")
         self._warned: set[str] = set()
         self._factory = None
-        self._placeholders: dict[str, torch.fx.Node] = {}
 
     def _fallback(self, key: str, what: str, error: Exception, uncompiled: bool = False) -> None:
         """Count and log (once per graph and size) a failed compile, or raise under
@@ -182,7 +181,7 @@ class GraphCompiler:
             static = frozenset(
                 i for i, a in enumerate(node.args)
                 if isinstance(a, torch.fx.Node) and a.op == "placeholder"
-                and not compat.is_user_input(self._placeholders.get(a.name, a))
+                and not compat.is_user_input(a)  # split_module keeps placeholder meta
             )
             wrapped[node.target] = cudagraphs.CudaGraphPiece(
                 pieces[node.target], size, factory, stable, self.options.cudagraph_warmups, static
@@ -200,7 +199,6 @@ class GraphCompiler:
         sg = split(gm, OpMatcher(self.options.splitting_ops))
 
         fakes = [compat.placeholder_example(n) for n in gm.graph.nodes if n.op == "placeholder"]
-        self._placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
         fake_mode = compat.graph_fake_mode(fakes)
         if self.options.compiler != "eager" and pieces_return_floats(sg):
             floats = compat.float_symbol_names(fake_mode)
