@@ -35,4 +35,8 @@ TORCH_LIBRARY(sizebackend, m) {
   m.def(
       "attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slots, Tensor positions, float scale) -> Tensor");
+  // A tensor over t's memory that does not own it (csrc/weak_ref.cpp): it dangles once
+  // t's owner frees the memory. Only for memory a CUDA graph pool keeps reserved. The
+  // result has a storage of its own, so to the dispatcher it aliases nothing.
+  m.def("weak_ref(Tensor t) -> Tensor");
 }

@@ -14,17 +14,39 @@ Memory and addresses, the hazards this module exists for:
 - a replay writes its outputs into the same buffers every time, so the runner clones the
   graph's final outputs before handing them to the caller.
 
+Why a piece keeps its captured outputs (and the earlier pieces' outputs it reads) only
+as weak references (``ops.weak_ref``: same memory, not owned), so that memory does not
+grow with pieces x sizes:
+- the capture call hands the *owning* outputs on down the forward, so while the later
+  pieces of that size are captured the pool sees exactly the tensors the forward still
+  needs as live, and reuses only blocks the forward is done with. When the call ends
+  the blocks go back to the pool (not to the general allocator: a private pool keeps
+  them while its graphs live), and later captures, of other sizes, may reuse them;
+- a replay call runs the pieces of one size in capture order, every piece rewriting its
+  blocks before a later piece reads them, so what a weak reference shows is always the
+  current call's value; the blocks the pieces of a size share follow the same liveness
+  as in the capture call. Nothing in the pool outlives a call: the runner clones the
+  final outputs, static input buffers are cloned outside the pool, and attention runs
+  eagerly between the pieces, allocating outside the pool;
+- hence replays of different sizes of one graph may overwrite each other's outputs:
+  fine one call after another (A, B, A), wrong if two calls run at once.
+Without ``weak_ref`` in the loaded extension (a stale build) pieces keep owning
+references: correct, memory grows as before; counted in ``fallbacks["weak_ref"]``.
+
 Capture and replay go through a small ``GraphFactory`` so that the planning logic is
-tested on CPU with a simulator that has the same buffer semantics as a CUDA graph.
+tested on CPU with a simulator that has the same buffer semantics as a CUDA graph. The
+simulator cannot show address reuse across captures: its graphs own their outputs.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
+from . import ops
 from .options import SizeBackendOptions
 from .stats import COUNTERS
 
@@ -62,7 +84,8 @@ class CapturedGraph(Protocol):
 
 class GraphFactory(Protocol):
     def capture(self, fn: Callable[[], Any]) -> tuple[CapturedGraph, Any]:
-        """Capture ``fn()`` and return the graph and the outputs it writes on replay."""
+        """Capture ``fn()`` and return the graph and the outputs it writes on replay,
+        already holding ``fn()``'s results (the caller of the capturing call uses them)."""
         ...
 
 
@@ -77,16 +100,21 @@ class CudaGraphFactory:
         torch.cuda.synchronize()
         with torch.cuda.graph(graph, pool=self.pool):
             outputs = fn()
+        # Capture records the kernels without running them: the outputs hold nothing yet.
+        graph.replay()
         return graph, outputs
 
 
 class SimulatedGraphFactory:
     """CPU stand-in with a CUDA graph's buffer semantics: replay recomputes from the
-    captured input tensors and writes into the captured output tensors in place."""
+    captured input tensors and writes into the captured output tensors in place.
+
+    A simulated graph owns its outputs, standing in for the pool that keeps a real
+    graph's output blocks reserved: the pieces hold only weak references to them."""
 
     class _Graph:
         def __init__(self, fn, outputs):
-            self.fn, self.outputs = fn, outputs
+            self.fn, self.outputs = fn, outputs  # owned here, as a pool's blocks are
 
         def replay(self) -> None:
             fresh = self.fn()
@@ -96,6 +124,37 @@ class SimulatedGraphFactory:
     def capture(self, fn):
         outputs = fn()
         return self._Graph(fn, outputs), outputs
+
+
+def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], values: Any) -> Any:
+    """``fn`` applied to a tensor, or to the tensors of a list or tuple (others kept)."""
+    if isinstance(values, torch.Tensor):
+        return fn(values)
+    if isinstance(values, (list, tuple)):
+        out = [fn(v) if isinstance(v, torch.Tensor) else v for v in values]
+        return type(values)(out) if isinstance(values, tuple) else out
+    return values
+
+
+@functools.cache
+def _weak_refs_supported() -> bool:
+    """Decided (and, if not, logged) once per process."""
+    if ops.has_weak_ref():
+        return True
+    log.warning(
+        "sizebackend: the loaded _C has no weak_ref op (a stale build?): captured pieces "
+        "keep their outputs alive, so CUDA-graph memory grows with pieces x sizes; rebuild "
+        "with `pip install --no-build-isolation -e .`"
+    )
+    return False
+
+
+def _weak(values: Any) -> Any:
+    """Non-owning views of the tensors in ``values`` (detached: a replay records no
+    autograd history); the values themselves where the extension lacks ``weak_ref``."""
+    if not _weak_refs_supported():
+        return values
+    return _map_tensors(lambda t: ops.weak_ref(t.detach()), values)
 
 
 def _tensors(values: Any) -> list[torch.Tensor]:
@@ -151,17 +210,24 @@ class CudaGraphPiece:
     def _capture(self, args: Sequence[Any]) -> Any:
         # Own a buffer for every tensor input that does not already sit at a fixed
         # address (parameters, or outputs of an earlier captured piece of this size).
+        # Those outputs stay owned by the pool (and the forward): held weakly here.
         buffers = []
         for i, a in enumerate(args):
-            if isinstance(a, torch.Tensor) and i not in self.static_inputs and a.data_ptr() not in self.stable.ptrs:
-                a = a.clone()
+            if isinstance(a, torch.Tensor) and i not in self.static_inputs:
+                a = _weak(a) if a.data_ptr() in self.stable.ptrs else a.clone()
             buffers.append(a)
         self.buffers = buffers
-        self.graph, self.outputs = self.factory.capture(lambda: self.fn(*self.buffers))
-        self.stable.ptrs.update(t.data_ptr() for t in _tensors(self.outputs))
+        self.graph, outputs = self.factory.capture(lambda: self.fn(*self.buffers))
+        self.outputs = _weak(outputs)
+        self.stable.ptrs.update(t.data_ptr() for t in _tensors(outputs))
         COUNTERS.add_keyed("captures", str(self.size))
+        if not _weak_refs_supported():
+            COUNTERS.add_keyed("fallbacks", "weak_ref")  # one per capture
         log.debug("captured a piece at size %d", self.size)
-        return self.outputs
+        # The owning outputs, not the weak ones: the rest of this call's forward keeps
+        # them alive exactly as long as it needs them, which is what the pool must see
+        # while it captures the later pieces (see the module docstring).
+        return outputs
 
     def __call__(self, *args: Any) -> Any:
         if self.graph is None:
@@ -178,9 +244,4 @@ class CudaGraphPiece:
 
 def clone_outputs(outputs: Any) -> Any:
     """Detach the caller's results from the replay buffers the next call overwrites."""
-    if isinstance(outputs, torch.Tensor):
-        return outputs.clone()
-    if isinstance(outputs, (list, tuple)):
-        out = [o.clone() if isinstance(o, torch.Tensor) else o for o in outputs]
-        return type(outputs)(out) if isinstance(outputs, tuple) else out
-    return outputs
+    return _map_tensors(torch.Tensor.clone, outputs)

@@ -1,4 +1,5 @@
-"""The ``sizebackend`` custom-op library: attention with an in-place KV-cache write.
+"""The ``sizebackend`` custom-op library: attention with an in-place KV-cache write, and
+``weak_ref`` (a non-owning view, for CUDA-graph outputs; see :func:`weak_ref`).
 
 ``torch.ops.sizebackend.attention(q, k, v, k_cache, v_cache, slots, positions, scale)``
 is attention for a *flattened token batch*, the layout serving engines use: dim 0 of
@@ -51,7 +52,7 @@ except ImportError as error:  # pragma: no cover - only without a build
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["attention", "attention_reference"]
+__all__ = ["attention", "attention_reference", "has_weak_ref", "weak_ref"]
 
 _OP = "sizebackend::attention"
 _PREFIX = f"{_OP}: "
@@ -233,3 +234,22 @@ def _register_cuda_kernel() -> None:
 
 
 _register_cuda_kernel()
+
+
+def weak_ref(t: Tensor) -> Tensor:
+    """A tensor over ``t``'s memory (same data pointer, sizes, strides, storage offset,
+    dtype and device) that does not keep that memory alive.
+
+    The result dangles as soon as the memory's owner frees it, and nothing detects a
+    read or write through a dangling one. It is meant for one owner only: a CUDA graph
+    memory pool, which keeps the blocks its captures allocated reserved after their
+    tensors die, and whose replays rewrite the same addresses (``cudagraphs.py`` says
+    when the contents are valid). A runtime helper, never traced: it has no fake kernel
+    and no autograd formula (``csrc/weak_ref.cpp``)."""
+    return torch.ops.sizebackend.weak_ref.default(t)
+
+
+def has_weak_ref() -> bool:
+    """Whether the loaded ``_C`` has ``weak_ref`` (an extension built before the op was
+    added does not; rebuild with ``pip install --no-build-isolation -e .``)."""
+    return hasattr(torch.ops.sizebackend, "weak_ref")

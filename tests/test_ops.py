@@ -1,6 +1,10 @@
-"""sizebackend::attention: opcheck, numerics against attention_reference, input checks."""
+"""sizebackend::attention: opcheck, numerics against attention_reference, input checks;
+sizebackend::weak_ref: same memory, no ownership."""
 
 from __future__ import annotations
+
+import gc
+import weakref
 
 import pytest
 import torch
@@ -273,3 +277,62 @@ def test_cuda_kernel_matches_reference(batch, dtype):
     )
     torch.testing.assert_close(args[K_CACHE], expected_args[K_CACHE], atol=0, rtol=0)
     torch.testing.assert_close(args[V_CACHE], expected_args[V_CACHE], atol=0, rtol=0)
+
+
+# sizebackend::weak_ref
+
+
+def test_weak_ref_views_the_same_memory():
+    base = torch.arange(48.0).reshape(6, 8)
+    t = base[1:, ::2]  # offset and strides of its own
+    w = ops.weak_ref(t)
+    assert w.data_ptr() == t.data_ptr()
+    assert (w.shape, w.stride(), w.storage_offset()) == (t.shape, t.stride(), t.storage_offset())
+    assert (w.dtype, w.device) == (t.dtype, t.device)
+    assert w.untyped_storage().nbytes() == base.untyped_storage().nbytes()
+    w[0, 0] = -1.0  # writes go both ways
+    assert base[1, 0] == -1.0
+    base[5, 6] = -2.0
+    assert w[4, 3] == -2.0
+    torch.testing.assert_close(w, t)
+
+
+def test_weak_ref_does_not_keep_the_memory_alive():
+    np = pytest.importorskip("numpy")
+    owner = np.zeros(16, dtype=np.float32)  # the storage's only owner, and weakly referable
+    alive = weakref.ref(owner)
+    t = torch.from_numpy(owner)
+    w = ops.weak_ref(t)
+    del owner, t
+    gc.collect()
+    assert alive() is None  # freed with `w` still alive (which must not be read now)
+    del w
+
+
+def test_weak_ref_keeps_no_reference_to_the_tensor():
+    t = torch.randn(4, 4)
+    uses = t._use_count()
+    w = ops.weak_ref(t)
+    assert t._use_count() == uses and w._use_count() == 1
+
+
+def test_weak_ref_schema():
+    # No mutation, and an output with a storage of its own: as `-> Tensor` says.
+    torch.library.opcheck(
+        torch.ops.sizebackend.weak_ref.default, (torch.randn(3, 4),), test_utils="test_schema"
+    )
+
+
+def test_weak_ref_of_empty_and_sparse():
+    assert ops.weak_ref(torch.empty(0, 3)).shape == (0, 3)
+    with pytest.raises(RuntimeError, match="only strided tensors"):
+        ops.weak_ref(torch.eye(3).to_sparse())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_weak_ref_on_cuda():
+    t = torch.randn(4, 6, device="cuda")[:, 1:]
+    w = ops.weak_ref(t)
+    assert (w.device, w.data_ptr(), w.stride()) == (t.device, t.data_ptr(), t.stride())
+    w.fill_(3.0)
+    torch.testing.assert_close(t, torch.full_like(t, 3.0))
