@@ -52,16 +52,24 @@ class Net(nn.Module):
         return self.blocks(x)
 
 
-def timed(fn, x, iters: int) -> float:
-    """Median seconds per call."""
-    for _ in range(3):
-        fn(x)
-    samples = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn(x)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+def interleaved(fns: dict, x, iters: int) -> dict[str, float]:
+    """Median seconds per call for each function, timed call by call in rotating order.
+
+    This machine's speed drifts by 1.5x between consecutive batches of 100 calls (measured
+    on plain eager), so timing one variant after another compares drift, not code. Taking
+    turns call by call makes every variant see the same drift."""
+    names = list(fns)
+    for name in names:
+        for _ in range(3):
+            fns[name](x)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(iters):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            fns[name](x)
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def main(argv=None) -> int:
@@ -100,11 +108,9 @@ def main(argv=None) -> int:
             for n in sizes:  # compile (or warm) every size first
                 torch.testing.assert_close(fn(inputs[n]), model(inputs[n]), rtol=1e-3, atol=1e-3)
             print(f"# {name}: warm-up and compile {time.perf_counter() - start:.1f}s", file=sys.stderr)
-        for _ in range(2):  # interleave rounds so drift hits every variant alike
-            for name, fn in variants.items():
-                for n in sizes:
-                    t = timed(fn, inputs[n], args.iters // 2)
-                    results[name][n] = min(results[name].get(n, float("inf")), t)
+        for n in sizes:
+            for name, t in interleaved(variants, inputs[n], args.iters).items():
+                results[name][n] = t
 
     print(f"\nper-call latency, {args.layers} layers, dim {args.dim}, seq {args.seq} (us; ratio = sizebackend / other)")
     print(f"{'size':>6} {'listed':>6} " + " ".join(f"{k:>14}" for k in variants)
@@ -148,9 +154,8 @@ def runner_overhead(pieces_per_graph: int = 17, iters: int = 3000) -> float:
     ours = torch.compile(model, backend="sizebackend", dynamic=True,
                          options={"compile_sizes": [2], "compiler": "eager", "cache_dir": None})
     with torch.no_grad():
-        a = min(timed(plain, x, iters) for _ in range(3))
-        b = min(timed(ours, x, iters) for _ in range(3))
-    return (b - a) * 1e6 / pieces_per_graph
+        t = interleaved({"plain": plain, "ours": ours}, x, iters)
+    return (t["ours"] - t["plain"]) * 1e6 / pieces_per_graph
 
 
 if __name__ == "__main__":

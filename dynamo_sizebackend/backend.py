@@ -17,6 +17,7 @@ import torch
 import torch.fx
 
 from . import compat, cudagraphs, padding
+from .cache import FirstOutput, returns_one_value
 from .cache import for_options as piece_cache_for
 from .compiler import CompiledPiece, compile_piece, make_adaptor, size_key
 from .dispatch import Program, Runner, generated_forward
@@ -92,7 +93,9 @@ class GraphCompiler:
             cache=self.cache,
         )
         self.progress.step()
-        return compiled
+        artifact = compiled.artifact if isinstance(compiled, FirstOutput) else compiled
+        direct = compat.direct_call(artifact, returns_one=returns_one_value(gm), slow=compiled)
+        return direct or compiled
 
     def compile_general(self, sg: SplitGraph, inputs: dict[str, tuple], key: str) -> Program:
         pieces: dict[str, CompiledPiece] = {}

@@ -263,8 +263,8 @@ class PieceCache:
             return None
         finally:
             os.unlink(tmp)
-        if _returns_one_value(gm):
-            artifact = _FirstOutput(artifact)
+        if returns_one_value(gm):
+            artifact = FirstOutput(artifact)
         COUNTERS.add("cache_hits")
         _SHARED.put(key, artifact)
         return artifact
@@ -303,12 +303,12 @@ class PieceCache:
                 os.unlink(tmp)
 
 
-def _returns_one_value(gm: torch.fx.GraphModule) -> bool:
+def returns_one_value(gm: torch.fx.GraphModule) -> bool:
     output = next(iter(reversed(gm.graph.nodes)))
     return isinstance(output.args[0], torch.fx.Node)
 
 
-class _FirstOutput:
+class FirstOutput:
     """A loaded artifact returns its outputs as a list even when the graph returns one
     value (a piece ending the split graph, as ``split_module`` builds it); the freshly
     compiled one returns that value itself, and the split graph's code expects it."""

@@ -101,7 +101,6 @@ def compile_piece(
             log.debug("reused %s for size %s (key %s)", debug_name, key, artifact_key[:12])
             return found
     shape_facts = compat.shape_env_state(example_inputs) if artifact_key is not None else None
-    before = set(compat.loaded_code_paths()) if debug_dir else None
     start = time.perf_counter()
     compiled = adaptor.compile(gm, example_inputs, runtime_size, fake_mode)
     elapsed = time.perf_counter() - start
@@ -112,17 +111,17 @@ def compile_piece(
         guarded = compat.shape_env_state(example_inputs) != shape_facts
         cache.store(artifact_key, compiled, key, debug_name, guarded=guarded)
     if debug_dir:
-        _dump(debug_dir, f"{debug_name}_{key}", gm, before)
+        _dump(debug_dir, f"{debug_name}_{key}", gm, compiled)
     return compiled
 
 
-def _dump(debug_dir: str, stem: str, gm: torch.fx.GraphModule, before: set[str] | None) -> None:
-    """Write the piece's graph and any code Inductor loaded while compiling it."""
+def _dump(debug_dir: str, stem: str, gm: torch.fx.GraphModule, compiled: Any) -> None:
+    """Write the piece's graph and the code Inductor generated for it."""
     os.makedirs(debug_dir, exist_ok=True)
     with open(os.path.join(debug_dir, f"{stem}.graph.py"), "w") as f:
         f.write(gm.print_readable(print_output=False))
-    new = [p for p in compat.loaded_code_paths() if p not in (before or set())]
-    for i, path in enumerate(new):
-        with open(path) as src, open(os.path.join(debug_dir, f"{stem}.code{i}.py"), "w") as dst:
-            dst.write(src.read())
-    dump_log.debug("wrote %s (%d code files) to %s", stem, len(new), debug_dir)
+    code = compat.generated_code(compiled)
+    if code is not None:
+        with open(os.path.join(debug_dir, f"{stem}.code.py"), "w") as f:
+            f.write(code)
+    dump_log.debug("wrote %s (%s) to %s", stem, "graph and code" if code else "graph", debug_dir)
