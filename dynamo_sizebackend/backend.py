@@ -210,6 +210,20 @@ class GraphCompiler:
                 "trace again with floats %s as constants", self.graph_id, sorted(floats),
             )
             compat.restart_with_floats_specialized(floats)  # returns if that was done already
+        if self.options.compiler != "eager":
+            # A float read from an attribute (a norm's eps) is model config, not a call
+            # argument: as a constant from the first trace on, the pieces traced in a
+            # cold process and in a warm one are the same, and so are their cache keys.
+            # Left symbolic, Inductor specializes it during a real compile (Dynamo then
+            # traces again) but not when its cache holds the graph, so a warm process
+            # traced different pieces and recompiled them.
+            floats = compat.attribute_float_symbols(gm)
+            if floats:
+                log.info(
+                    "sizebackend: graph %d: asking Dynamo to trace again with the float "
+                    "attributes %s as constants", self.graph_id, sorted(floats.values()),
+                )
+                compat.restart_with_floats_specialized(set(floats))
         recorder = _Recorder(sg.gm)
         with fake_mode:
             recorder.run(*fakes)

@@ -396,6 +396,29 @@ def float_symbol_names(fake_mode) -> set[str]:
     return {str(s) for s in table if symbol_is_type(s, SymT.FLOAT)}
 
 
+def attribute_float_symbols(gm: torch.fx.GraphModule) -> dict[str, str]:
+    """Float symbols (``zf0``: the source each came from) of the graph's Python float
+    inputs that Dynamo read from an attribute, a global or a container, as opposed to a
+    frame argument: ``L['self'].eps`` is listed, ``L['temperature']`` is not. Dynamo
+    passes such a float as a 0-d tensor whose ``item_memo`` holds the symbol."""
+    from torch._dynamo.source import LocalSource
+
+    found = {}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        arg = node.meta.get("grapharg")
+        memo = getattr(node.meta.get("example_value"), "item_memo", None)
+        if arg is None or memo is None or not getattr(arg, "pass_arg_as_tensor", False):
+            continue
+        if isinstance(arg.source, LocalSource):
+            continue
+        symbol = getattr(memo.node._expr, "name", None)  # the symbol, not a replacement
+        if symbol is not None:
+            found[symbol] = arg.source.name
+    return found
+
+
 def restart_with_floats_specialized(names: set[str]) -> None:
     """Ask Dynamo to trace the frame again with the floats ``names`` as constants, the
     way Inductor's own ``tensorify_python_scalars`` pass does when a float cannot stay

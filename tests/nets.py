@@ -64,3 +64,21 @@ def compile_sb(model, **options):
     first call; sizes 0 and 1 still get graphs of their own (0/1 specialization).
     """
     return torch.compile(model, backend="sizebackend", dynamic=True, options=options)
+
+
+class NormNet(nn.Module):
+    """RMS norm with its eps as a float attribute (as HF models keep it), then attention:
+    under ``dynamic=True`` Dynamo lifts the eps into a graph input."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, eps: float = 1e-6):
+        super().__init__()
+        self.heads, self.eps = heads, eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(h).chunk(3, -1))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(a.transpose(1, 2).reshape(b, t, d))

@@ -331,3 +331,42 @@ def test_processes_share_one_folder(tmp_path):
     a, b, c = (torch.load(tmp_path / f"{n}.pt") for n in "abc")
     for size in (4, 3):  # the same code, so the same bits
         assert torch.equal(a[size], b[size]) and torch.equal(a[size], c[size])
+
+
+_NORM_CHILD = textwrap.dedent("""
+    import json, sys
+    import torch
+    import dynamo_sizebackend as sb
+    from tests.nets import NormNet, batch
+
+    torch.manual_seed(0)
+    model = NormNet().eval()
+    compiled = torch.compile(model, backend="sizebackend", dynamic=True,
+                             options={"compile_sizes": [4], "cache_dir": sys.argv[1]})
+    with torch.no_grad():
+        for size in (4, 3):
+            torch.testing.assert_close(compiled(batch(size)), model(batch(size)))
+    print(json.dumps(sb.stats().to_dict()))
+""")
+
+
+@pytest.mark.inductor
+def test_warm_start_with_a_float_attribute_compiles_nothing(tmp_path):
+    # The model's eps is a float attribute. Dynamo lifts it into a graph input; left
+    # symbolic, Inductor specializes it during a real compile (Dynamo traces again) but
+    # not on an Inductor cache hit, so a warm process used to trace other pieces and
+    # recompile them. Both processes share Inductor's cache folder (the env of the run).
+    def run() -> dict:
+        child = subprocess.run(
+            [sys.executable, "-c", _NORM_CHILD, str(tmp_path / "cache")],
+            cwd=REPO, capture_output=True, text=True, timeout=600,
+        )
+        assert child.returncode == 0, child.stderr[-3000:]
+        return json.loads(child.stdout.strip().splitlines()[-1])
+
+    cold = run()
+    # 1 attention -> 2 pieces, general + size 4: 4 artifacts, all compiled.
+    assert cold["cache_misses"] == 4 and cold["cache_hits"] == 0, cold
+    warm = run()
+    assert (warm["cache_hits"], warm["cache_misses"], warm["compiles"]) == (4, 0, {}), warm
+    assert warm["calls"] == {"4": 1, "dynamic": 1}
