@@ -370,3 +370,28 @@ def test_warm_start_with_a_float_attribute_compiles_nothing(tmp_path):
     warm = run()
     assert (warm["cache_hits"], warm["cache_misses"], warm["compiles"]) == (4, 0, {}), warm
     assert warm["calls"] == {"4": 1, "dynamic": 1}
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.eps = 1e-6
+        self.weight = torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, x, scale: float):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * scale
+
+
+@pytest.mark.inductor
+@torch.no_grad()
+def test_float_attributes_become_constants_float_arguments_stay_symbolic(caplog):
+    model = _Scaled()
+    compiled = compile_sb(model, compile_sizes=[2], cache_dir=None)
+    with caplog.at_level(logging.INFO, logger="dynamo_sizebackend"):
+        for size, scale in ((2, 0.5), (3, 0.7), (2, 0.9)):
+            x = torch.randn(size, 4, 8)
+            torch.testing.assert_close(compiled(x, scale), model(x, scale))
+    retraces = [r.getMessage() for r in caplog.records if "float attributes" in r.getMessage()]
+    assert len(retraces) == 1 and "eps" in retraces[0] and "scale" not in retraces[0], retraces
+    # One graph for three scales: the argument stayed a symbolic input, no recompiles.
+    assert sb.stats().graphs == 1 and sb.stats().calls == {"2": 2, "dynamic": 1}
