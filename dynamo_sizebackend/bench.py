@@ -282,6 +282,14 @@ def _ratios(row: dict[str, Any], prefix: str = "") -> str:
     return f"{cells[0]:>9} {cells[1]:>10}"
 
 
+def _table(columns: str, lines: dict[str, str]) -> None:
+    """A variant column, ``columns``, the two ratio columns, a rule, one line per variant."""
+    head = f"{'variant':<12} {columns} {'vs eager':>9} {'vs dynamic':>10}"
+    print(f"{head}\n{'-' * len(head)}")
+    for name, line in lines.items():
+        print(f"{name:<12} {line}")
+
+
 def report(w: Workload, results: list[Result], rows: dict[str, dict[str, Any]]) -> None:
     """The seed-style lines, then the tables by wall time and by CPU time."""
     for name, row in rows.items():
@@ -295,12 +303,12 @@ def report(w: Workload, results: list[Result], rows: dict[str, dict[str, Any]]) 
     repeat = len(results[0].runs)
     print(f"\nthroughput: fastest of {repeat} full runs (round robin, after warm-up); "
           f"ratios of output tokens/s")
-    head = (f"{'variant':<12} {'requests/s':>10} {'total tok/s':>12} {'output tok/s':>12} "
-            f"{'init s':>8} {'vs eager':>9} {'vs dynamic':>10}")
-    print(f"{head}\n{'-' * len(head)}")
-    for name, row in rows.items():
-        print(f"{name:<12} {row['requests_per_s']:>10.2f} {row['total_tokens_per_s']:>12.1f} "
-              f"{row['output_tokens_per_s']:>12.1f} {row['init_seconds']:>8.2f} {_ratios(row)}")
+    _table(
+        f"{'requests/s':>10} {'total tok/s':>12} {'output tok/s':>12} {'init s':>8}",
+        {name: f"{row['requests_per_s']:>10.2f} {row['total_tokens_per_s']:>12.1f} "
+               f"{row['output_tokens_per_s']:>12.1f} {row['init_seconds']:>8.2f} {_ratios(row)}"
+         for name, row in rows.items()},
+    )
     print("slowest/fastest run (machine noise): "
           + ", ".join(f"{r.name} {max(r.runs) / min(r.runs):.2f}" for r in results))
 
@@ -308,12 +316,12 @@ def report(w: Workload, results: list[Result], rows: dict[str, dict[str, Any]]) 
     # shared machine (with --threads above 1 it includes OpenMP workers spinning).
     print(f"\nthe same runs by process CPU time (least of {repeat}; "
           f"leaves out waiting for a core):")
-    head = (f"{'variant':<12} {'cpu s':>8} {'output tok/cpu-s':>17} "
-            f"{'vs eager':>9} {'vs dynamic':>10}")
-    print(f"{head}\n{'-' * len(head)}")
-    for name, row in rows.items():
-        print(f"{name:<12} {row['cpu_seconds']:>8.2f} {row['output_tokens_per_cpu_s']:>17.1f} "
-              f"{_ratios(row, 'cpu_')}")
+    _table(
+        f"{'cpu s':>8} {'output tok/cpu-s':>17}",
+        {name: f"{row['cpu_seconds']:>8.2f} {row['output_tokens_per_cpu_s']:>17.1f} "
+               f"{_ratios(row, 'cpu_')}"
+         for name, row in rows.items()},
+    )
 
 
 def report_tokens(mismatches: list[dict], num_variants: int, w: Workload) -> None:
