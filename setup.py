@@ -33,6 +33,6 @@ setup(
     cmdclass={"build_ext": BuildExtension},
     entry_points={
         "torch_dynamo_backends": ["sizebackend = dynamo_sizebackend.backend:sizebackend"],
-        "console_scripts": ["sizebackend = dynamo_sizebackend.cli:main"],
+        "console_scripts": ["sizebackend = dynamo_sizebackend.app.cli:main"],
     },
 )

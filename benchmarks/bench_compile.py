@@ -50,7 +50,7 @@ def child(spec: dict) -> dict:
     import torch
 
     import dynamo_sizebackend as sb
-    from dynamo_sizebackend import backend
+    from dynamo_sizebackend.compile import background
     from dynamo_sizebackend.models import build_model, config
 
     imported = time.perf_counter() - start
@@ -77,7 +77,7 @@ def child(spec: dict) -> dict:
             if spec.get("first_only"):
                 break
         t = time.perf_counter()
-        for job in list(backend._LIVE_JOBS):  # background compiles still running
+        for job in list(background.LIVE_JOBS):  # background compiles still running
             job.join()
         background = time.perf_counter() - t
     return {"first": times[0], "compile": sum(times), "background_after": background,

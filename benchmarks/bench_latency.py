@@ -24,33 +24,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import dynamo_sizebackend as sb  # noqa: E402
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.down(F.gelu(self.up(self.ln2(x))))
-
-
-class Net(nn.Module):
-    def __init__(self, layers: int, dim: int, heads: int):
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.Sequential(*(Block(dim, heads) for _ in range(layers)))
-
-    def forward(self, x):
-        return self.blocks(x)
+from dynamo_sizebackend.models.sdpa import TinyTransformer  # noqa: E402
 
 
 def interleaved(calls: dict, iters: int) -> dict[str, float]:
@@ -99,7 +73,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     torch._dynamo.config.recompile_limit = 64  # dynamic=False recompiles once per size
 
-    model = Net(args.layers, args.dim, 4).eval()
+    model = TinyTransformer(args.layers, args.dim, 4, mlp_ratio=4).eval()
     inputs = {n: torch.randn(n, args.seq, args.dim) for n in sizes}
     marked = {n: batch_dynamic(x) for n, x in inputs.items()}
     options = {"compile_sizes": listed, "cache_dir": None}

@@ -7,7 +7,7 @@ splits the Dynamo graph at attention ops, compiles every piece once for the gene
 __version__ = "0.1.0"
 
 from . import ops  # noqa: E402,F401  (registers the sizebackend:: op library)
-from .backend import SizeCompileError  # noqa: E402
+from .compile.failures import SizeCompileError  # noqa: E402
 from .options import SizeBackendOptions, parse_options  # noqa: E402
 from .stats import expect, reset_stats, stats  # noqa: E402
 

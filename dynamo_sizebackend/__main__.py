@@ -1,4 +1,4 @@
 """``python -m dynamo_sizebackend``: the ``sizebackend`` command."""
-from .cli import main
+from .app.cli import main
 
 raise SystemExit(main())

@@ -15,9 +15,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from . import compat
+from ._torch import dynamo, inductor
 
-#: SDPA in every form Dynamo or AOTAutograd can put in a graph, and our own op.
+#: SDPA as Dynamo records it (the Python function), the ATen overloads it decomposes
+#: to on CPU and CUDA that we know of in torch 2.13, and our own op.
 DEFAULT_SPLITTING_OPS: tuple[str, ...] = (
     "torch.nn.functional.scaled_dot_product_attention",
     "aten::scaled_dot_product_attention",
@@ -45,7 +46,11 @@ def _default_cache_dir() -> str | None:
     return os.path.join(os.path.expanduser("~"), ".cache", "dynamo_sizebackend")
 
 
-class OptionError(ValueError, compat.user_error_base()):
+def _default_direct_calls() -> bool:
+    return os.environ.get("SIZEBACKEND_DIRECT_CALLS", "1").lower() not in ("0", "false", "off", "no")
+
+
+class OptionError(ValueError, dynamo.user_error_base()):
     """A bad option. A ``ValueError`` that Dynamo passes through to the caller unwrapped."""
 
     def __init__(self, message: str):
@@ -105,7 +110,8 @@ class SizeBackendOptions:
 
     cudagraph_sizes: tuple[int, ...] = DEFAULT_CUDAGRAPH_SIZES
     """Sizes to capture. With cudagraphs on, compile sizes not listed here are dropped
-    with a warning (a batch that is padded to a capture size never runs at its own)."""
+    with a warning (the seed's rule); such a batch then runs the general pieces,
+    uncaptured, or is padded up to a capture size with ``pad_to_size``."""
 
     cudagraph_warmups: int = 1
     """Eager runs of a piece at a size before it is captured."""
@@ -124,6 +130,12 @@ class SizeBackendOptions:
     debug_dir: str | None = None
     """Write each piece's graph and generated code here. Turns the artifact cache and the
     sharing of identical pieces off, so that every piece is compiled and written."""
+
+    direct_calls: bool = field(default_factory=_default_direct_calls)
+    """Call Inductor's generated code directly after a piece's first call, skipping
+    AOTAutograd's per-call Python layers (``_torch/direct_call.py``; only for pieces it
+    can prove need none of them). ``False`` always takes the full path. Default: on,
+    unless ``SIZEBACKEND_DIRECT_CALLS=0``."""
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -157,14 +169,14 @@ class SizeBackendOptions:
         ):
             raise _fail("inductor_options", self.inductor_options, "must be a dict of str keys")
         for key, value in self.inductor_options.items():
-            problem = compat.inductor_option_problem(key, value)
+            problem = inductor.inductor_option_problem(key, value)
             if problem is not None:
                 raise _fail(
                     "inductor_options", self.inductor_options, f"entry {key!r}={value!r}: {problem}"
                 )
         # torch.compile's spelling "max-autotune" is config entry "max_autotune".
         set_("inductor_options", {k.replace("-", "_"): v for k, v in self.inductor_options.items()})
-        for name in ("cudagraphs", "pad_to_size", "strict"):
+        for name in ("cudagraphs", "pad_to_size", "strict", "direct_calls"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "must be True or False")
         if not _is_int(self.cudagraph_warmups) or self.cudagraph_warmups < 0:

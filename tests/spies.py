@@ -6,9 +6,9 @@ import threading
 
 import torch
 
-from dynamo_sizebackend import compiler
+from dynamo_sizebackend.compile import adaptor as compiler
 
-BACKEND_LOG = "dynamo_sizebackend.backend"
+BACKEND_LOG = "dynamo_sizebackend."  # every logger of the package
 
 
 class AdaptorSpy:
@@ -59,7 +59,7 @@ class AdaptorSpy:
 def warnings_from(caplog, text: str) -> list[str]:
     return [
         r.getMessage() for r in caplog.records
-        if r.name == BACKEND_LOG and r.levelno == logging.WARNING and text in r.getMessage()
+        if r.name.startswith(BACKEND_LOG) and r.levelno == logging.WARNING and text in r.getMessage()
     ]
 
 

@@ -1,8 +1,6 @@
 """Splitting, per-size compiles and dispatch, with the eager compiler adaptor (fast)."""
-import threading
 import time
 
-import pytest
 import torch
 
 import dynamo_sizebackend as sb

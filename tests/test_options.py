@@ -72,6 +72,7 @@ def test_seed_string_with_expanded_sequence():
         ({"inductor_options": {"max_autotun": True}}, r"'inductor_options'.*'max_autotun'.*no such"),
         ({"inductor_options": {"max_autotune": "yes"}}, r"'inductor_options'.*'max_autotune'.*bool"),
         ({"inductor_options": {1: 2}}, r"'inductor_options'.*str keys"),
+        ({"direct_calls": 1}, r"'direct_calls'.*True or False.*got 1"),
     ],
 )
 def test_bad_options_name_key_and_value(options, match):

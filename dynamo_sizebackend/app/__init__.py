@@ -1,0 +1,1 @@
+"""The demo app built on the backend: the throughput benchmark, its scheduler, the CLI."""

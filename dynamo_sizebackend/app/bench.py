@@ -1,0 +1,449 @@
+"""``sizebackend bench``: generation throughput of eager vs ``torch.compile`` vs sizebackend.
+
+The workload imitates vLLM's ``benchmark_throughput.py``: ``--requests`` prompts of
+``--input-len`` random tokens, each generating about ``--output-len`` tokens (lengths vary
+per request, from ``--seed``, so sequences finish at different steps), greedily, through
+the continuous-batching scheduler of :mod:`dynamo_sizebackend.scheduler` on the built-in
+Llama-style model. Every step is one flattened token batch of ``T`` tokens, the size
+Dynamo sees as symbolic and sizebackend specializes on.
+
+The variants run one after the other in this process, on the same model and workload:
+
+- ``eager``: the model itself;
+- ``dynamic``: ``torch.compile(model, dynamic=True)`` (Inductor);
+- ``sizebackend``: ``torch.compile(model, backend="sizebackend", dynamic=True,
+  options={"compile_sizes": ...})``; by default the sizes are the ``T`` the schedule
+  produces most, known up front because the schedule is deterministic (a dry run).
+
+Per variant, *init* is a warm-up that calls the model once at every distinct ``T`` of
+the schedule, so every Dynamo trace and compile happens there (as vLLM's "init engine"
+warms up); the variants are initialized one after the other. Then the full generation
+runs ``--repeat`` rounds, every variant once per round on a zeroed KV cache, and each
+variant's fastest run gives its throughput. No compilation happens in the timed runs.
+
+One intra-op thread by default (``--threads``): on a machine of a couple of cores shared
+with other work, OpenMP workers that spin-wait for a core another process holds cut
+throughput several-fold (7x measured on a busy 2-core machine, every variant alike), so
+the ratios would measure the neighbours instead of the compilers. Pass ``--threads 2``
+on a quiet machine.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..compile.progress import stderr_is_terminal
+from ..models.llama import PRESETS, SizeLlama, build_model
+from .scheduler import Request, Scheduler, make_requests, plan, size_histogram
+from ..stats import reset_stats, stats
+
+VARIANTS = ("eager", "dynamic", "sizebackend")
+#: A greedy mismatch whose two tokens' reference logits are closer than this is a
+#: floating-point tie (fused kernels sum in another order), not a wrong result.
+TIE_TOLERANCE = 1e-3
+
+Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="sizebackend bench", description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model", default="small", choices=list(PRESETS), help="model preset")
+    p.add_argument("--requests", type=int, default=64, help="number of requests")
+    p.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=64, help="mean generated tokens per request")
+    p.add_argument("--output-spread", type=float, default=0.25,
+                   help="output lengths are uniform in output_len * (1 +- spread)")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="token budget of one step (decodes + admitted prompts)")
+    p.add_argument("--compile-sizes", default=None,
+                   help="comma-separated sizes for sizebackend (default: the most frequent T)")
+    p.add_argument("--num-compile-sizes", type=int, default=4,
+                   help="without --compile-sizes: compile this many of the most frequent T")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated subset of {','.join(VARIANTS)}")
+    p.add_argument("--compiler", default="inductor", choices=("inductor", "eager"),
+                   help="what compiles the pieces: 'eager' (no codegen) is for quick checks")
+    p.add_argument("--repeat", type=int, default=5,
+                   help="timed runs per variant; the fastest counts")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (see the module docstring for why 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the requests")
+    p.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    return p
+
+
+@dataclasses.dataclass
+class Workload:
+    requests: list[Request]
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    histogram: dict[int, int]
+    """Steps per token count ``T``, from the dry run."""
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.output_len for r in self.requests)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.output_tokens + sum(len(r.prompt) for r in self.requests)
+
+    @property
+    def max_len(self) -> int:
+        """KV-cache rows one sequence needs (its last token is never written)."""
+        return max(len(r.prompt) + r.output_len - 1 for r in self.requests)
+
+
+@dataclasses.dataclass
+class Result:
+    name: str
+    init_seconds: float
+    outputs: dict[int, list[int]]
+    runs: list[float] = dataclasses.field(default_factory=list)
+    """Wall seconds of every timed run."""
+    cpu_runs: list[float] = dataclasses.field(default_factory=list)
+    """Process CPU seconds of every timed run."""
+    stats: dict[str, Any] | None = None
+
+    @property
+    def run_seconds(self) -> float:
+        """The fastest run: the one least disturbed by whatever else the machine did."""
+        return min(self.runs)
+
+    def rates(self, w: Workload) -> dict[str, float]:
+        return {
+            "requests_per_s": len(w.requests) / self.run_seconds,
+            "total_tokens_per_s": w.total_tokens / self.run_seconds,
+            "output_tokens_per_s": w.output_tokens / self.run_seconds,
+        }
+
+
+def most_frequent_sizes(histogram: dict[int, int], n: int) -> list[int]:
+    """The ``n`` most frequent ``T`` (ties: the smaller first), skipping 1: Dynamo always
+    specializes a size of 1 into a graph of its own, so listing it compiles nothing."""
+    ranked = sorted((t for t in histogram if t > 1), key=lambda t: (-histogram[t], t))
+    return sorted(ranked[:n])
+
+
+def _bar(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="step", leave=False, file=sys.stderr,
+                disable=not stderr_is_terminal())
+
+
+def make_variant(name: str, model: SizeLlama, compiler: str, sizes: list[int]) -> Forward:
+    """The model as variant ``name`` runs it. The compiled variants share the model's
+    code object; Dynamo keeps each one's graphs apart (its cache entries record their
+    backend), so all three stay live and the timed runs can interleave."""
+    if name == "eager":
+        return model
+    backend = "inductor" if compiler == "inductor" else "eager"
+    if name == "dynamic":
+        return torch.compile(model, backend=backend, dynamic=True)
+    options = {"compile_sizes": sizes, "compiler": compiler}
+    return torch.compile(model, backend="sizebackend", dynamic=True, options=options)
+
+
+def warm_up(forward: Forward, model: SizeLlama, w: Workload, name: str) -> float:
+    """Call ``forward`` once at every distinct ``T`` of the schedule (largest first);
+    returns the seconds it took, compilation included."""
+    num_slots, max_len = model.kv_cache_shape[:2]
+    start = time.perf_counter()
+    with _bar(len(w.histogram), f"{name}: warm-up (compiles)") as bar:
+        for t in sorted(w.histogram, reverse=True):
+            index = torch.arange(t)
+            slots = (index // max_len) % num_slots
+            forward(torch.zeros(t, dtype=torch.long), index % max_len, slots)
+            bar.update(1)
+    return time.perf_counter() - start
+
+
+def generate(
+    forward: Forward, w: Workload, desc: str
+) -> tuple[dict[int, list[int]], float, float]:
+    """Run the whole workload once; returns every request's tokens and the wall and
+    process CPU seconds it took."""
+    scheduler = Scheduler(w.requests, w.max_num_seqs, w.max_num_batched_tokens)
+    with _bar(sum(w.histogram.values()), desc) as bar:
+        start, cpu_start = time.perf_counter(), time.process_time()
+        while (step := scheduler.schedule()) is not None:
+            logits = forward(
+                torch.tensor(step.input_ids), torch.tensor(step.positions), torch.tensor(step.slots)
+            )
+            sampled = logits[torch.tensor(step.sample_indices)].argmax(dim=-1).tolist()
+            scheduler.update(step, sampled)
+            bar.update(1)
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    return scheduler.outputs, elapsed, cpu
+
+
+def zero_kv_cache(model: SizeLlama) -> None:
+    """In place: the compiled variants hold these very tensors as graph inputs."""
+    for layer in model.layers:
+        layer.self_attn.k_cache.zero_()
+        layer.self_attn.v_cache.zero_()
+
+
+def init_variant(name: str, model: SizeLlama, w: Workload, args, sizes: list[int]):
+    """Build variant ``name`` and warm it up (its "init"); returns it and its Result."""
+    forward = make_variant(name, model, args.compiler, sizes)
+    reset_stats()
+    zero_kv_cache(model)
+    result = Result(name, warm_up(forward, model, w, name), {})
+    if name == "sizebackend":
+        result.stats = {"init": stats().to_dict()}
+    return forward, result
+
+
+def timed_runs(
+    model: SizeLlama, variants: list[tuple[Forward, Result]], w: Workload, repeat: int
+) -> None:
+    """``repeat`` rounds, each running every variant once on a zeroed KV cache: round
+    robin, so load that comes and goes on a shared machine hits every variant alike.
+    Keeps each variant's fastest run; every run must produce the same tokens."""
+    for i in range(repeat):
+        for forward, result in variants:
+            zero_kv_cache(model)
+            reset_stats()  # so the sizebackend calls below count exactly one run
+            outputs, seconds, cpu = generate(forward, w, f"{result.name}: run {i + 1}/{repeat}")
+            if result.outputs and outputs != result.outputs:
+                raise RuntimeError(f"{result.name}: run {i + 1} generated other tokens than run 1")
+            result.outputs = outputs
+            result.runs.append(seconds)
+            result.cpu_runs.append(cpu)
+            if result.name == "sizebackend":
+                run = stats().to_dict()
+                result.stats["run"] = {"calls": run["calls"], "fallbacks": run["fallbacks"]}
+
+
+def logit_gap(model: SizeLlama, request: Request, prefix: list[int], a: int, b: int) -> float:
+    """|logit a - logit b| of the eager model after ``prompt + prefix`` (one prefill)."""
+    tokens = list(request.prompt) + prefix
+    zero_kv_cache(model)
+    n = len(tokens)
+    logits = model(torch.tensor(tokens), torch.arange(n), torch.zeros(n, dtype=torch.long))
+    return float((logits[-1, a] - logits[-1, b]).abs())
+
+
+def compare_tokens(model: SizeLlama, w: Workload, reference: Result, other: Result) -> list[dict]:
+    """Where ``other`` first differs from ``reference``, per request, with the logit gap."""
+    mismatches = []
+    for request in w.requests:
+        want, got = reference.outputs[request.id], other.outputs[request.id]
+        if want == got:
+            continue
+        # Same length: the scheduler stops a request at its output_len whatever it samples.
+        i = next(i for i, (x, y) in enumerate(zip(want, got)) if x != y)
+        gap = logit_gap(model, request, want[:i], want[i], got[i])
+        mismatches.append({"variant": other.name, "request": request.id, "index": i,
+                           "tokens": [want[i], got[i]], "logit_gap": gap,
+                           "tie": gap < TIE_TOLERANCE})
+    return mismatches
+
+
+def figures(w: Workload, results: list[Result]) -> dict[str, dict[str, Any]]:
+    """Per variant: the throughputs, times and ratios that are printed and written."""
+    by_name = {r.name: r for r in results}
+    rows: dict[str, dict[str, Any]] = {}
+    for r in results:
+        cpu = min(r.cpu_runs)
+        row = {**r.rates(w), "init_seconds": r.init_seconds, "run_seconds": r.run_seconds,
+               "all_run_seconds": r.runs, "cpu_seconds": cpu, "all_cpu_seconds": r.cpu_runs,
+               "output_tokens_per_cpu_s": w.output_tokens / cpu}
+        for base in ("eager", "dynamic"):
+            if base in by_name:
+                row[f"vs_{base}"] = by_name[base].run_seconds / r.run_seconds
+                row[f"cpu_vs_{base}"] = min(by_name[base].cpu_runs) / cpu
+        rows[r.name] = row
+    return rows
+
+
+def _ratios(row: dict[str, Any], prefix: str = "") -> str:
+    keys = (prefix + "vs_eager", prefix + "vs_dynamic")
+    cells = [f"{row[k]:.2f}x" if k in row else "-" for k in keys]
+    return f"{cells[0]:>9} {cells[1]:>10}"
+
+
+def _table(columns: str, lines: dict[str, str]) -> None:
+    """A variant column, ``columns``, the two ratio columns, a rule, one line per variant."""
+    head = f"{'variant':<12} {columns} {'vs eager':>9} {'vs dynamic':>10}"
+    print(f"{head}\n{'-' * len(head)}")
+    for name, line in lines.items():
+        print(f"{name:<12} {line}")
+
+
+def report(w: Workload, results: list[Result], rows: dict[str, dict[str, Any]]) -> None:
+    """The seed-style lines, then the tables by wall time and by CPU time."""
+    for name, row in rows.items():
+        print(f"[{name}] Throughput: {row['requests_per_s']:.2f} requests/s, "
+              f"{row['total_tokens_per_s']:.2f} total tokens/s, "
+              f"{row['output_tokens_per_s']:.2f} output tokens/s")
+        what = "" if name == "eager" else ", compilation included"
+        print(f"[{name}] init engine (warm-up at {len(w.histogram)} batch sizes{what}) "
+              f"took {row['init_seconds']:.2f} seconds")
+
+    repeat = len(results[0].runs)
+    print(f"\nthroughput: fastest of {repeat} full runs (round robin, after warm-up); "
+          f"ratios of output tokens/s")
+    _table(
+        f"{'requests/s':>10} {'total tok/s':>12} {'output tok/s':>12} {'init s':>8}",
+        {name: f"{row['requests_per_s']:>10.2f} {row['total_tokens_per_s']:>12.1f} "
+               f"{row['output_tokens_per_s']:>12.1f} {row['init_seconds']:>8.2f} {_ratios(row)}"
+         for name, row in rows.items()},
+    )
+    print("slowest/fastest run (machine noise): "
+          + ", ".join(f"{r.name} {max(r.runs) / min(r.runs):.2f}" for r in results))
+
+    # CPU time leaves out the time the process waited for a core, the main noise on a
+    # shared machine (with --threads above 1 it includes OpenMP workers spinning).
+    print(f"\nthe same runs by process CPU time (least of {repeat}; "
+          f"leaves out waiting for a core):")
+    _table(
+        f"{'cpu s':>8} {'output tok/cpu-s':>17}",
+        {name: f"{row['cpu_seconds']:>8.2f} {row['output_tokens_per_cpu_s']:>17.1f} "
+               f"{_ratios(row, 'cpu_')}"
+         for name, row in rows.items()},
+    )
+
+
+def report_tokens(mismatches: list[dict], num_variants: int, w: Workload) -> None:
+    if not mismatches:
+        print(f"\ntokens identical: yes ({num_variants} variants, {w.output_tokens} tokens each)")
+        return
+    real = sum(not m["tie"] for m in mismatches)
+    kind = f"{real} not explained by ties" if real else "all at floating-point ties"
+    print(f"\ntokens identical: no ({len(mismatches)} requests diverge, {kind})")
+    for m in mismatches[:5]:
+        print(f"  {m['variant']}: request {m['request']} token {m['index']}: {m['tokens'][0]} "
+              f"vs {m['tokens'][1]}, reference logit gap {m['logit_gap']:.2e}")
+
+
+def report_stats(result: Result, sizes: list[int]) -> None:
+    init, run = result.stats["init"], result.stats["run"]
+    calls = sorted(run["calls"].items(), key=lambda kv: -kv[1])
+    print("sizebackend calls in one run, by the pieces they ran: "
+          + ", ".join(f"{key}: {n}" for key, n in calls))
+    static = [key for key, _ in calls if key != "dynamic" and int(key) not in sizes]
+    if static:  # Dynamo gives T=1 a graph of its own, whatever dynamic=True says
+        print(f"  ({', '.join(static)}: graphs Dynamo traced for that T alone; "
+              f"'dynamic': the general pieces)")
+    print(f"sizebackend init: {init['graphs']} graphs, {init['pieces']} pieces, compiles "
+          f"{init['compiles']}, cache hits {init['cache_hits']}, reused {init['reused']}, "
+          f"fallbacks {init['fallbacks'] or 0}, {init['compile_seconds']:.1f} s compiling")
+
+
+def _parse_sizes(text: str) -> list[int]:
+    try:
+        sizes = sorted({int(s) for s in text.split(",") if s.strip()})
+    except ValueError:
+        _parser().error(f"--compile-sizes: expected comma-separated ints, got {text!r}")
+    if not sizes or sizes[0] < 1:
+        _parser().error(f"--compile-sizes: expected positive sizes, got {text!r}")
+    return sizes
+
+
+def _check_args(args: argparse.Namespace) -> list[str]:
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown or not names:
+        _parser().error(f"--variants: unknown {unknown or 'empty list'}; "
+                        f"choose from {','.join(VARIANTS)}")
+    for flag in ("repeat", "threads", "max_num_seqs", "max_num_batched_tokens"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            _parser().error(f"--{flag.replace('_', '-')} must be at least 1")
+    return names
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    names = _check_args(args)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _run(args, names)
+    finally:  # a process-wide setting; callers in the same process keep theirs
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace, names: list[str]) -> int:
+    model = build_model(args.model, seed=args.seed)
+    cfg = model.config
+    requests = make_requests(args.requests, args.input_len, args.output_len, cfg.vocab_size,
+                             seed=args.seed, output_spread=args.output_spread)
+    # The dry run: the schedule, hence every step's T, is known before anything runs.
+    steps = plan(requests, args.max_num_seqs, args.max_num_batched_tokens)
+    w = Workload(requests, args.max_num_seqs, args.max_num_batched_tokens,
+                 dict(size_histogram(steps)))
+    if w.max_len > cfg.max_position:
+        _parser().error(f"input_len + output_len needs {w.max_len} positions; model "
+                        f"{args.model!r} has {cfg.max_position}")
+    if args.compile_sizes:
+        sizes = _parse_sizes(args.compile_sizes)
+    else:
+        sizes = most_frequent_sizes(w.histogram, args.num_compile_sizes)
+    model.allocate_kv_cache(args.max_num_seqs, w.max_len)
+    _print_setup(args, cfg, w, sizes)
+
+    torch.compiler.reset()  # the compiled variants start from nothing traced
+    with torch.no_grad():
+        variants = [init_variant(name, model, w, args, sizes) for name in names]
+        timed_runs(model, variants, w, args.repeat)
+        results = [result for _, result in variants]
+        rows = figures(w, results)
+        report(w, results, rows)
+        # Against the first variant (eager by default), token by token.
+        mismatches = [m for r in results[1:] for m in compare_tokens(model, w, results[0], r)]
+    report_tokens(mismatches, len(results), w)
+    sb_result = next((r for r in results if r.name == "sizebackend"), None)
+    if sb_result is not None:
+        report_stats(sb_result, sizes)
+
+    if args.json:
+        payload = {
+            "config": {k: v for k, v in vars(args).items() if k != "json"},
+            "compile_sizes": sizes,
+            "schedule": {"steps": sum(w.histogram.values()),
+                         "steps_per_size": {str(t): n for t, n in _by_frequency(w.histogram)},
+                         "total_tokens": w.total_tokens, "output_tokens": w.output_tokens},
+            "variants": rows,
+            "tokens_identical": not mismatches,
+            "token_mismatches": mismatches,
+            "sizebackend_stats": sb_result.stats if sb_result is not None else None,
+        }
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=2)
+    return 1 if any(not m["tie"] for m in mismatches) else 0
+
+
+def _by_frequency(histogram: dict[int, int]) -> list[tuple[int, int]]:
+    return sorted(histogram.items(), key=lambda kv: (-kv[1], kv[0]))
+
+
+def _print_setup(args: argparse.Namespace, cfg, w: Workload, sizes: list[int]) -> None:
+    num_steps = sum(w.histogram.values())
+    print(f"model {args.model}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+          f"vocab {cfg.vocab_size}; {torch.get_num_threads()} threads; "
+          f"compiled variants use {args.compiler}")
+    print(f"workload: {len(w.requests)} requests, input {args.input_len}, output "
+          f"{args.output_len} +-{args.output_spread:.0%}, max_num_seqs {args.max_num_seqs}: "
+          f"{num_steps} steps at {len(w.histogram)} distinct T (tokens per step)")
+    print("steps per T (most frequent): "
+          + ", ".join(f"{t}: {n}" for t, n in _by_frequency(w.histogram)[:8]))
+    listed = sum(n for t, n in w.histogram.items() if t in sizes)
+    print(f"sizebackend compile_sizes: {sizes} "
+          f"({'given' if args.compile_sizes else 'the most frequent T > 1'}); "
+          f"{listed} of {num_steps} steps at a listed size\n")

@@ -1,0 +1,100 @@
+"""The ``sizebackend`` command (also ``python -m dynamo_sizebackend``).
+
+- ``sizebackend bench ...``: the throughput benchmark (``dynamo_sizebackend.bench``);
+  every argument after ``bench`` is its own.
+- ``sizebackend cache info|clear [--dir DIR] [--json]``: what the on-disk artifact cache
+  holds (entries, bytes, by torch version), or empty it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from typing import Sequence
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _cache_dir(given: str | None) -> str | None:
+    if given is not None:
+        return given
+    from ..options import SizeBackendOptions
+
+    return SizeBackendOptions().cache_dir  # $SIZEBACKEND_CACHE_DIR or ~/.cache/...
+
+
+def _cache(args: argparse.Namespace) -> int:
+    from ..cache.store import DiskCache
+
+    folder = _cache_dir(args.dir)
+    if folder is None:
+        print("the artifact cache is disabled (SIZEBACKEND_CACHE_DIR is 'none')")
+        return 0
+    disk = DiskCache(folder)
+    if args.action == "clear":
+        removed, freed = disk.clear()
+        if args.json:
+            print(json.dumps({"dir": folder, "removed": removed, "bytes": freed}))
+        else:
+            print(f"removed {removed} files ({_human(freed)}) from {disk.folder}")
+        return 0
+
+    entries, unreadable = disk.entries()
+    by_torch: dict[str, dict[str, int]] = defaultdict(lambda: {"entries": 0, "bytes": 0})
+    for entry in entries:
+        by_torch[entry.torch]["entries"] += 1
+        by_torch[entry.torch]["bytes"] += entry.bytes
+    total = sum(e.bytes for e in entries)
+    if args.json:
+        print(json.dumps({"dir": folder, "entries": len(entries), "bytes": total,
+                          "unreadable": unreadable, "by_torch_version": dict(by_torch)}))
+        return 0
+    print(f"cache folder: {disk.folder}")
+    print(f"entries: {len(entries)} ({_human(total)})")
+    if unreadable:
+        print(f"unreadable entries: {unreadable} (recompiled and replaced when next needed)")
+    for version, row in sorted(by_torch.items()):
+        print(f"  torch {version}: {row['entries']} entries, {_human(row['bytes'])}")
+    return 0
+
+
+def _bench(bench_args: list[str]) -> int:
+    from .bench import main as bench_main  # loaded only when asked: it builds models
+
+    result = bench_main(bench_args)
+    return result if isinstance(result, int) else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sizebackend", description="dynamo_sizebackend: benchmark and artifact cache")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    bench = sub.add_parser("bench", help="throughput benchmark on the built-in model",
+                           add_help=False)
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER,
+                       help="arguments of the benchmark (see 'sizebackend bench --help')")
+
+    cache = sub.add_parser("cache", help="inspect or empty the on-disk artifact cache")
+    cache.add_argument("action", choices=("info", "clear"))
+    cache.add_argument("--dir", default=None,
+                       help="cache folder (default: $SIZEBACKEND_CACHE_DIR, else "
+                            "~/.cache/dynamo_sizebackend)")
+    cache.add_argument("--json", action="store_true", help="print one JSON object")
+    cache.set_defaults(run=_cache)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # all the rest is the benchmark's, --help included
+        return _bench(argv[1:])
+    args = build_parser().parse_args(argv)
+    return args.run(args)

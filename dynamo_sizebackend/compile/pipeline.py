@@ -1,0 +1,212 @@
+"""One Dynamo graph through the stages: batch symbol, split, general compile, one
+compile per listed size, a :class:`~..runtime.runner.Runner` handed back.
+
+The order matters in two places:
+- floats are specialized (a Dynamo restart) before anything is compiled, so a restart
+  never wastes a compile;
+- graphs, pieces and splits are counted only after the general compile: Dynamo may
+  restart analysis from inside it, and that attempt's graph is thrown away.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.fx
+
+from .._torch import direct_call, dynamo, shape_env
+from ..cache.store import FirstOutput, returns_one_value
+from ..cache.store import for_options as piece_cache_for
+from ..options import SizeBackendOptions
+from ..runtime import cudagraphs, padding
+from ..runtime.runner import Program, Runner, generated_forward
+from ..stats import COUNTERS
+from . import background, floats, guards
+from .adaptor import CompiledPiece, compile_piece, make_adaptor, size_key
+from .batch import ConcreteInputs, find_batch
+from .failures import Fallbacks
+from .progress import CompileProgress
+from .split import OpMatcher, SplitGraph, split
+
+log = logging.getLogger(__name__)
+
+
+class _Recorder(torch.fx.Interpreter):
+    """Runs the split graph on Dynamo's fake inputs and records each piece's inputs."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        super().__init__(gm)
+        self.inputs: dict[str, tuple[Any, ...]] = {}
+
+    def call_module(self, target, args, kwargs):
+        self.inputs[target] = args
+        return super().call_module(target, args, kwargs)
+
+
+class GraphCompiler:
+    """Compiles one Dynamo graph into a :class:`Runner`; keeps nothing after that except
+    what lazy and background compiles of listed sizes need."""
+
+    def __init__(self, options: SizeBackendOptions, graph_id: int):
+        self.options = options
+        self.graph_id = graph_id
+        self.adaptor = make_adaptor(options)
+        self.cache = piece_cache_for(options)  # None for the eager adaptor
+        self.progress = CompileProgress(f"sizebackend graph {graph_id}")
+        self.fallbacks = Fallbacks(graph_id, options.strict)
+        self._factory = None
+
+    def _compile(self, name: str, gm, inputs, size, key, fake_mode=None) -> CompiledPiece:
+        compiled = compile_piece(
+            self.adaptor, gm, list(inputs), size, key=key, fake_mode=fake_mode,
+            debug_dir=self.options.debug_dir, debug_name=f"graph{self.graph_id}_{name}",
+            cache=self.cache,
+        )
+        self.progress.step()
+        if not self.options.direct_calls:
+            return compiled
+        artifact = compiled.artifact if isinstance(compiled, FirstOutput) else compiled
+        direct = direct_call.direct_call(artifact, returns_one=returns_one_value(gm), slow=compiled)
+        return direct or compiled
+
+    def compile_general(self, sg: SplitGraph, inputs: dict[str, tuple], key: str) -> Program:
+        pieces: dict[str, CompiledPiece] = {}
+        counted_before = COUNTERS.snapshot().compiles.get(key, 0)
+        for piece in sg.pieces:
+            sub = getattr(sg.gm, piece.name)
+            if piece.is_split_op:
+                pieces[piece.name] = sub.forward
+                continue
+            try:
+                pieces[piece.name] = self._compile(piece.name, sub, inputs[piece.name], None, key)
+            except dynamo.dynamo_control_flow():
+                # Dynamo restarts analysis and sends a new graph; this attempt never ran.
+                now = COUNTERS.snapshot().compiles.get(key, 0)
+                COUNTERS.add_keyed("compiles", key, counted_before - now)
+                raise
+            except Exception as e:  # counted, logged, visible in stats; strict raises
+                self.fallbacks.record(key, piece.name, e, uncompiled=True)
+                pieces[piece.name] = sub.forward
+        return Program(key, pieces)
+
+    def compile_size(
+        self,
+        sg: SplitGraph,
+        inputs: dict[str, tuple],
+        symbol,
+        size: int,
+        general: Program,
+        graph_inputs: list[Any],
+    ) -> Program | None:
+        """Specialized pieces for ``size``, or ``None`` if any piece failed (the size is
+        then served by the general pieces: a half-specialized program buys nothing).
+        The program checks the shape guards its compiles added (:mod:`.guards`)."""
+        key = size_key(size)
+        concrete = ConcreteInputs(symbol, size)
+        pieces: dict[str, CompiledPiece] = {}
+        for piece in sg.pieces:
+            if piece.is_split_op:
+                pieces[piece.name] = getattr(general, piece.name)
+                continue
+            sub = getattr(sg.gm, piece.name)
+            try:
+                example = concrete.convert(inputs[piece.name])
+                pieces[piece.name] = self._compile(
+                    piece.name, sub, example, size, key, fake_mode=concrete.fake_mode
+                )
+            except Exception as e:  # counted, logged, visible in stats; strict raises
+                self.fallbacks.record(key, piece.name, e)
+                return None
+        try:
+            check = guards.size_check(concrete.fake_mode, concrete.convert(graph_inputs))
+        except Exception as e:  # a guard we cannot check: never run the size unchecked
+            self.fallbacks.record(key, "the shape-guard check", e)
+            return None
+        if check is not None:
+            log.info(
+                "sizebackend: graph %d: size %d pieces assume %s; calls that break it run "
+                "the general pieces", self.graph_id, size, check[0],
+            )
+        if self.options.cudagraphs:
+            if self._factory is None:  # one capture memory pool per Dynamo graph
+                self._factory = cudagraphs.CudaGraphFactory()
+            split_ops = {p.name for p in sg.pieces if p.is_split_op}
+            pieces = cudagraphs.capture_pieces(
+                sg.gm, split_ops, pieces, size, self._factory, self.options.cudagraph_warmups
+            )
+        return Program(key, pieces, check=check and check[1], clone_outputs=self.options.cudagraphs)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Runner:
+        batch = find_batch(gm, self.options.batch_dim)
+        sg = split(gm, OpMatcher(self.options.splitting_ops))
+
+        fakes = [dynamo.placeholder_example(n) for n in gm.graph.nodes if n.op == "placeholder"]
+        fake_mode = shape_env.graph_fake_mode(fakes)
+        if self.options.compiler != "eager":
+            floats.specialize_if_needed(gm, sg, fake_mode, self.graph_id)
+        recorder = _Recorder(sg.gm)
+        with fake_mode:
+            recorder.run(*fakes)
+
+        forward = generated_forward(sg.gm)
+        static = batch is None or batch.symbol is None
+        if static:  # pieces specialized for the one size this graph was traced at
+            key = str(batch.static_size) if batch is not None else "static"
+        else:
+            key = "dynamic"
+        self.progress.expect(len(sg.compiled_pieces), f"{key} shape")
+        general = self.compile_general(sg, recorder.inputs, key)
+        # Counted only now: Dynamo may restart analysis from inside the first compile.
+        COUNTERS.add("graphs")
+        COUNTERS.add("pieces", len(sg.compiled_pieces))
+        COUNTERS.add("splits", len(sg.pieces) - len(sg.compiled_pieces))
+        if static:
+            log.info("sizebackend: graph %d has no symbolic batch size; compiled once", self.graph_id)
+            return Runner(forward, general, {}, None, 0)
+
+        symbol = batch.symbol
+        sizes = self._sizes_in_range(fake_mode, symbol)
+
+        def compile_size(size: int) -> Program | None:
+            return self.compile_size(sg, recorder.inputs, symbol, size, general, fakes)
+
+        def compile_size_later(size: int) -> Program | None:  # lazy and background modes
+            with dynamo.compile_session():
+                return compile_size(size)
+
+        mode = self.options.compile_mode
+        by_size: dict[int, Program] = {}
+        if mode == "eager":
+            self.progress.expect(len(sg.compiled_pieces) * len(sizes), f"sizes {sizes}")
+            for size in sizes:
+                program = compile_size(size)
+                if program is not None:
+                    by_size[size] = program
+            self.progress.close()  # a size that failed leaves steps unused
+        pad = None
+        if self.options.pad_to_size and sizes:
+            pad = padding.plan_for_graph(gm, fakes, symbol, sizes, self.graph_id)
+        runner = Runner(
+            forward, general, by_size, batch.arg_index, batch.dim,
+            pending=set(sizes) if mode == "lazy" else None, compile_size=compile_size_later,
+            pad=pad,
+        )
+        if mode == "background" and sizes:
+            background.start(runner, sizes, compile_size_later)
+        return runner
+
+    def _sizes_in_range(self, fake_mode, symbol) -> list[int]:
+        """The listed sizes this graph's batch symbol can take (Dynamo sends the others,
+        sizes 0 and 1 under 0/1 specialization, to graphs of their own)."""
+        lower, upper = shape_env.value_range(fake_mode.shape_env, symbol)
+        lower = lower or 0
+        wanted = cudagraphs.effective_compile_sizes(self.options)
+        sizes = [n for n in wanted if n >= lower and (upper is None or n <= upper)]
+        if len(sizes) < len(wanted):
+            log.info(
+                "sizebackend: graph %d: sizes %s are outside the batch range [%s, %s] this graph "
+                "can see (Dynamo sends them to graphs of their own); not compiling them here",
+                self.graph_id, sorted(set(wanted) - set(sizes)), lower, upper,
+            )
+        return sizes

@@ -1,0 +1,1 @@
+"""Pieces to calls: the per-call runner, padding, CUDA graphs."""

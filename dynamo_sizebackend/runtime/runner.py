@@ -1,0 +1,150 @@
+"""Runtime dispatch: per call, read the batch size and run the matching set of pieces.
+
+The split graph's forward is generated once as plain Python (FX codegen) and bound to a
+*program*: an object whose ``submod_N`` attributes are the compiled pieces for one runtime
+size (or the general ones). A call is then: read one dim, one dict lookup, one counter
+bump, and the generated forward; no FX interpreter on the hot path. A compile that
+finishes later (lazy/background) publishes a new program with one dict assignment.
+
+Concurrency: programs are never mutated after they are published, so concurrent callers
+of compiled pieces need no lock. That does *not* hold with ``cudagraphs``: a captured
+piece replays into fixed buffers (see ``runtime/cudagraphs.py``), so two calls of one
+graph running at once may overwrite each other's outputs.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Mapping
+
+import torch.fx
+
+from .cudagraphs import clone_outputs
+from .padding import PadPlan
+from ..stats import COUNTERS
+
+log = logging.getLogger(__name__)
+
+
+class Program:
+    """The pieces of one runtime size, bound to the split graph's generated forward.
+
+    ``check(args)``, when set, tells whether a call's arguments satisfy the shape guards
+    the size's compiles assumed (see ``GraphCompiler.compile_size``); ``None``: no guards.
+    """
+
+    def __init__(
+        self,
+        key: str,
+        pieces: Mapping[str, Callable[..., Any]],
+        check: Callable[[tuple[Any, ...]], bool] | None = None,
+        clone_outputs: bool = False,
+    ):
+        self.key = key
+        self.check = check
+        self.clone_outputs = clone_outputs  # CUDA-graph replays overwrite their outputs
+        for name, fn in pieces.items():
+            setattr(self, name, fn)
+
+
+def generated_forward(split_gm: torch.fx.GraphModule) -> Callable[..., Any]:
+    """``forward(program, *args)`` of ``split_gm`` as a plain function."""
+    code = split_gm.graph.python_code(root_module="self")
+    namespace = dict(code.globals)
+    exec(compile(code.src, f"<sizebackend split graph {id(split_gm):x}>", "exec"), namespace)
+    return namespace["forward"]
+
+
+class Runner:
+    """The callable handed back to Dynamo for one graph.
+
+    ``by_size`` maps a listed size to its program once it is compiled; ``pending`` holds
+    listed sizes still to compile (lazy mode), compiled on first sight by ``compile_size``
+    while the triggering call waits; calls of that size from other threads meanwhile run
+    ``general`` rather than queue behind it. Any other size runs ``general``.
+    """
+
+    def __init__(
+        self,
+        forward: Callable[..., Any],
+        general: Program,
+        by_size: dict[int, Program],
+        arg_index: int | None,
+        dim: int,
+        pending: set[int] | None = None,
+        compile_size: Callable[[int], Program | None] | None = None,
+        pad: PadPlan | None = None,
+    ):
+        self._forward = forward
+        self._general = general
+        self._by_size = by_size
+        self._arg_index = arg_index
+        self._dim = dim
+        self._pending = pending or set()
+        self._compile_size = compile_size
+        self._pad = pad
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._guard_misses: set[int] = set()
+        self.background: threading.Thread | None = None
+
+    def publish(self, size: int, program: Program) -> None:
+        """Make ``program`` serve ``size`` from the next call on (atomic under the GIL)."""
+        self._by_size[size] = program
+
+    def fail(self, error: BaseException) -> None:
+        """A compile after this runner was handed out failed under ``strict=True``: every
+        call from now on raises it (a background thread has no caller to raise to)."""
+        self._error = error
+
+    def _compile_pending(self, size: int) -> Program:
+        with self._lock:
+            program = self._by_size.get(size)
+            if program is None and size in self._pending:
+                self._pending.discard(size)
+                try:
+                    program = self._compile_size(size) if self._compile_size else None
+                except Exception as e:  # strict: raised here and on every later call
+                    self.fail(e)
+                    raise
+                if program is not None:
+                    self._by_size[size] = program
+        return program or self._general
+
+    def _guard_miss(self, size: int, program: Program) -> Program:
+        if size not in self._guard_misses:
+            self._guard_misses.add(size)
+            log.info(
+                "sizebackend: a batch of %d breaks a shape guard its specialized pieces were "
+                "compiled under; such calls run the general pieces", size,
+            )
+        return self._general
+
+    def __call__(self, *args: Any) -> Any:
+        if self._error is not None:
+            raise self._error
+        program = self._general
+        if self._arg_index is not None:
+            size = args[self._arg_index].shape[self._dim]
+            program = self._by_size.get(size)
+            if program is None:
+                program = self._compile_pending(size) if size in self._pending else self._general
+            elif program.check is not None and not program.check(args):
+                program = self._guard_miss(size, program)
+            if program is self._general and self._pad is not None:
+                return self._padded(args, size)
+        COUNTERS.add_keyed("calls", program.key)
+        out = self._forward(program, *args)
+        return clone_outputs(out) if program.clone_outputs else out
+
+    def _padded(self, args: tuple[Any, ...], size: int) -> Any:
+        """``pad_to_size``: run on the next larger listed size's pieces, slice back."""
+        target = self._pad.target_for(size)
+        program = self._by_size.get(target) if target is not None else None
+        padded = self._pad.pad(args, size, target) if program is not None else None
+        if program is None or (program.check is not None and not program.check(tuple(padded))):
+            COUNTERS.add_keyed("calls", self._general.key)
+            return self._forward(self._general, *args)
+        COUNTERS.add_keyed("calls", program.key)
+        out = self._pad.unpad(self._forward(program, *padded), size)
+        return clone_outputs(out) if program.clone_outputs else out

@@ -1,0 +1,261 @@
+"""CUDA-graph logic that needs no GPU (size rule, buffer planning), and GPU tests that
+skip cleanly without one."""
+import gc
+import logging
+import warnings
+import weakref
+
+import pytest
+import torch
+
+import dynamo_sizebackend as sb
+from dynamo_sizebackend import ops
+from dynamo_sizebackend.runtime import cudagraphs
+from dynamo_sizebackend.runtime.cudagraphs import (
+    CudaGraphPiece,
+    SimulatedGraphFactory,
+    StablePointers,
+    clone_outputs,
+    effective_compile_sizes,
+    plan_copies,
+)
+from dynamo_sizebackend.options import parse_options
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_seed_rule_drops_non_capture_sizes_with_one_warning():
+    opts = parse_options({"compile_sizes": [1, 2, 3, 4, 5], "cudagraphs": True})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert effective_compile_sizes(opts) == (1, 2, 4)
+    assert len(caught) == 1 and "[3, 5]" in str(caught[0].message)
+
+
+def test_without_cudagraphs_every_size_is_kept():
+    opts = parse_options({"compile_sizes": [1, 2, 3, 4, 5]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert effective_compile_sizes(opts) == (1, 2, 3, 4, 5)
+
+
+def test_custom_capture_sizes():
+    opts = parse_options({"compile_sizes": [3, 6, 8], "cudagraphs": True, "cudagraph_sizes": [3, 6]})
+    with pytest.warns(UserWarning, match=r"\[8\]"):
+        assert effective_compile_sizes(opts) == (3, 6)
+
+
+def test_plan_copies_only_where_addresses_change():
+    a, b = torch.zeros(4), torch.zeros(4)
+    assert plan_copies([a, b, 3], [a, b.clone(), 3]) == [1]
+    assert plan_copies([a, b], [a, b]) == []
+
+
+def _two_pieces(weight):
+    first = lambda x, w: (x @ w, )  # noqa: E731
+    second = lambda h: (torch.relu(h) + 1, )  # noqa: E731
+    return first, second
+
+
+def test_piecewise_replay_is_correct_and_copies_only_fresh_inputs():
+    torch.manual_seed(0)
+    w = torch.randn(8, 8)
+    first, second = _two_pieces(w)
+    factory, stable = SimulatedGraphFactory(), StablePointers()
+    p1 = CudaGraphPiece(first, 4, factory, stable, warmups=1, static_inputs=frozenset({1}))
+    p2 = CudaGraphPiece(second, 4, factory, stable, warmups=1)
+
+    def run(x):
+        (h,) = p1(x, w)
+        (y,) = p2(h)
+        return clone_outputs(y)
+
+    sb.reset_stats()
+    results = []
+    for step in range(5):  # 1 warm-up, 1 capture, 3 replays
+        x = torch.randn(4, 8)
+        results.append((run(x), torch.relu(x @ w) + 1))
+    for got, want in results:
+        torch.testing.assert_close(got, want)
+    # A fresh user tensor each call: copied on each of the 3 replays. The weight is
+    # static and the second piece reads the first one's captured output: never copied.
+    assert (p1.copies, p2.copies) == (3, 0)
+    assert p1.buffers[1] is w
+    assert sb.stats().captures == {"4": 2}  # two pieces captured once at size 4
+
+
+def test_returned_outputs_survive_the_next_replay():
+    factory, stable = SimulatedGraphFactory(), StablePointers()
+    piece = CudaGraphPiece(lambda x: (x * 2,), 2, factory, stable, warmups=0)
+    first = clone_outputs(piece(torch.ones(2)))
+    piece(torch.full((2,), 5.0))
+    torch.testing.assert_close(first[0], torch.full((2,), 2.0))
+
+
+@gpu
+def test_cuda_piece_capture_and_replay():
+    from dynamo_sizebackend.runtime.cudagraphs import CudaGraphFactory
+
+    w = torch.randn(8, 8, device="cuda")
+    factory, stable = CudaGraphFactory(), StablePointers()
+    piece = CudaGraphPiece(lambda x, w: (x @ w,), 4, factory, stable, warmups=1,
+                           static_inputs=frozenset({1}))
+    for _ in range(4):
+        x = torch.randn(4, 8, device="cuda")
+        torch.testing.assert_close(clone_outputs(piece(x, w))[0], x @ w)
+
+
+@torch.no_grad()
+def test_cudagraph_wiring_through_the_backend_on_a_simulator(monkeypatch, caplog):
+    """The whole path (seed rule, per-piece capture, split ops eager, outputs cloned)
+    on CPU, with the simulated graph standing in for torch.cuda.CUDAGraph."""
+    from dynamo_sizebackend.compile import pipeline as backend
+
+    from ..nets import TinyTransformer, batch, compile_sb
+
+    monkeypatch.setattr(backend.cudagraphs, "cuda_available", lambda: True)
+    monkeypatch.setattr(backend.cudagraphs, "CudaGraphFactory", SimulatedGraphFactory)
+    model = TinyTransformer(layers=2).eval()
+    compiled = compile_sb(model, compile_sizes=[2, 3, 4], compiler="eager", cudagraphs=True,
+                          cudagraph_warmups=1, cache_dir=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = compiled(batch(4))
+    assert [r.getMessage() for r in caplog.records if "[3] are not in cudagraph_sizes" in r.getMessage()]
+    outs = [first] + [compiled(batch(4, seed=s)) for s in range(2, 6)]
+    for s, out in zip([1, 2, 3, 4, 5], outs):
+        torch.testing.assert_close(out, model(batch(4, seed=s)))
+    # Size 3 was dropped by the seed rule: compiles for the general shape, 2 and 4 only.
+    assert sb.stats().compiles == {"dynamic": 3, "2": 3, "4": 3}
+    # 3 pieces captured once at size 4 (first call warms up, second captures).
+    assert sb.stats().captures == {"4": 3}
+    torch.testing.assert_close(compiled(batch(3)), model(batch(3)))
+    assert sb.stats().calls["dynamic"] == 1
+
+
+class OwnerSpy(SimulatedGraphFactory):
+    """The simulator, keeping its graphs so a test can take their outputs away: the only
+    owners captured outputs may have, as a real pool's blocks are owned by the pool."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.graphs = []
+
+    def capture(self, fn):
+        graph, outputs = super().capture(fn)
+        self.graphs.append(graph)
+        return graph, outputs
+
+    def release(self) -> list:
+        """Drop the graphs' outputs; weak references to those nothing else keeps alive."""
+        refs = [weakref.ref(t) for g in self.graphs for t in cudagraphs._tensors(g.outputs)]
+        for g in self.graphs:
+            g.outputs = None
+        gc.collect()
+        return [r for r in refs if r() is not None]
+
+
+def test_pieces_hold_captured_outputs_weakly():
+    w = torch.randn(8, 8)
+    first, second = _two_pieces(w)
+    factory, stable = OwnerSpy(), StablePointers()
+    p1 = CudaGraphPiece(first, 4, factory, stable, warmups=0, static_inputs=frozenset({1}))
+    p2 = CudaGraphPiece(second, 4, factory, stable, warmups=0)
+    for _ in range(3):  # 1 capture, 2 replays
+        x = torch.randn(4, 8)
+        (h,) = p1(x, w)
+        torch.testing.assert_close(clone_outputs(p2(h))[0], torch.relu(x @ w) + 1)
+    del h
+    # Same memory as what the graphs own, through tensors of their own: the piece's
+    # outputs and the second piece's buffer for the first one's output.
+    owned = [g.outputs[0] for g in factory.graphs]
+    assert [p.outputs[0].data_ptr() for p in (p1, p2)] == [t.data_ptr() for t in owned]
+    assert p2.buffers[0].data_ptr() == owned[0].data_ptr()
+    assert all(p.outputs[0] is not t for p, t in zip((p1, p2), owned))
+    del owned
+    assert factory.release() == []  # the pieces kept none of them alive
+    assert sb.stats().fallbacks == {}
+
+
+@torch.no_grad()
+def test_backend_replays_sizes_in_any_order_and_owns_no_capture_outputs(monkeypatch):
+    """Captures at sizes 2, 4 and 8 through the backend; replays interleaved across sizes
+    (4, 2, 4, 8, 2, 4) still match eager, and once the simulated graphs (the pool) let
+    go of their outputs, nothing in the compiled model keeps any of them alive."""
+    from dynamo_sizebackend.compile import pipeline as backend
+
+    from ..nets import TinyTransformer, batch, compile_sb
+
+    factories = []
+
+    def make_factory():
+        factories.append(OwnerSpy())
+        return factories[-1]
+
+    monkeypatch.setattr(backend.cudagraphs, "cuda_available", lambda: True)
+    monkeypatch.setattr(backend.cudagraphs, "CudaGraphFactory", make_factory)
+    model = TinyTransformer(layers=2).eval()
+    compiled = compile_sb(model, compile_sizes=[2, 4, 8], compiler="eager", cudagraphs=True,
+                          cudagraph_warmups=1, cache_dir=None)
+    # Per size: one warm-up call, one capture call, then replays.
+    order = [4, 4, 2, 2, 4, 8, 8, 2, 4, 8, 4, 2]
+    for step, size in enumerate(order):
+        torch.testing.assert_close(compiled(batch(size, seed=step)), model(batch(size, seed=step)))
+    # TinyTransformer(layers=2) splits into 3 pieces: 3 captures at each of 3 sizes.
+    assert sb.stats().captures == {"2": 3, "4": 3, "8": 3}
+    assert sb.stats().fallbacks == {}
+    assert len(factories) == 1 and len(factories[0].graphs) == 9
+    assert factories[0].release() == []
+    assert compiled is not None  # the runner and its pieces are alive all along
+
+
+@pytest.fixture
+def no_weak_ref(monkeypatch):
+    """A ``_C`` built before ``weak_ref`` existed."""
+    monkeypatch.setattr(ops, "has_weak_ref", lambda: False)
+    cudagraphs._weak_refs_supported.cache_clear()
+    yield
+    cudagraphs._weak_refs_supported.cache_clear()
+
+
+def test_without_weak_ref_pieces_own_their_outputs(no_weak_ref, caplog):
+    w = torch.randn(8, 8)
+    first, second = _two_pieces(w)
+    factory, stable = SimulatedGraphFactory(), StablePointers()
+    p1 = CudaGraphPiece(first, 4, factory, stable, warmups=0, static_inputs=frozenset({1}))
+    p2 = CudaGraphPiece(second, 4, factory, stable, warmups=0)
+    with caplog.at_level(logging.WARNING, logger="dynamo_sizebackend.runtime.cudagraphs"):
+        for _ in range(3):
+            x = torch.randn(4, 8)
+            (h,) = p1(x, w)
+            torch.testing.assert_close(clone_outputs(p2(h))[0], torch.relu(x @ w) + 1)
+    assert p1.outputs is p1.graph.outputs and p2.buffers[0] is p1.outputs[0]
+    assert sb.stats().fallbacks == {"weak_ref": 2}  # one per capture
+    assert len([r for r in caplog.records if "no weak_ref op" in r.getMessage()]) == 1
+
+
+@gpu
+def test_cuda_capture_outputs_go_back_to_the_pool():
+    """A piece with a large output: once the capturing call's result is cloned and
+    dropped, the output's block no longer counts as allocated (the pool keeps it
+    reserved), and replays of two sizes sharing the pool, 4, 8, 4, stay correct."""
+    from dynamo_sizebackend.runtime.cudagraphs import CudaGraphFactory
+
+    fn = lambda x: (x.repeat(1, 1024) * 2,)  # noqa: E731  [n, 1024] -> [n, 1M] floats
+    factory = CudaGraphFactory()
+    pieces = {n: CudaGraphPiece(fn, n, factory, StablePointers(), warmups=1) for n in (4, 8)}
+    for n in (4, 8):
+        x = torch.randn(n, 1024, device="cuda")
+        pieces[n](x)  # warm-up, outside the pool
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        out = clone_outputs(pieces[n](x))  # capture
+        torch.testing.assert_close(out[0], fn(x)[0])
+        del out
+        torch.cuda.synchronize()
+        output_bytes = n * 1024 * 1024 * 4
+        # What stays allocated is the piece's input buffer (n x 4 KiB), not the output.
+        assert torch.cuda.memory_allocated() - before < output_bytes // 2
+    for n in (4, 8, 4, 8):
+        x = torch.randn(n, 1024, device="cuda")
+        torch.testing.assert_close(clone_outputs(pieces[n](x))[0], fn(x)[0])
