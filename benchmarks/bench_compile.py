@@ -15,6 +15,9 @@ On the built-in Llama-style model (``dynamo_sizebackend.models``, preset ``tiny`
   once per size (target: sizebackend faster);
 - time to first output: ``compile_mode="background"`` vs the general shape compiled
   alone (target: no slower), and vs ``compile_mode="eager"``;
+- warm restart: sizebackend's warm start against ``torch.compile(dynamic=True)``'s own
+  warm start (its cold run, then a new process with its caches kept), same model and
+  calls (target <= 1.0). ``--restart-only`` measures just these four;
 - the cold/warm pair again under ``torch._dynamo.config.patch(specialize_float=True)``:
   no restarts, so every process traces the same graphs and a warm start finds them all.
 
@@ -61,6 +64,9 @@ def child(spec: dict) -> dict:
     if spec["kind"] == "static":
         compiled = torch.compile(model, dynamic=False)
         order = sizes
+    elif spec["kind"] == "dynamic":
+        compiled = torch.compile(model, dynamic=True)
+        order = [3] + sizes
     else:
         options = {"compile_sizes": sizes if spec["kind"] != "general" else [],
                    "compile_mode": spec.get("mode", "eager")}
@@ -104,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", default="2,8", help="shallow,deep")
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--restart-only", action="store_true",
+                        help="only the warm-restart comparison with dynamic=True")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -122,13 +130,31 @@ def main(argv: list[str] | None = None) -> int:
     def spec(label, layers, kind="sizebackend", **extra):
         return dict(label=label, layers=layers, kind=kind, sizes=sizes, preset=args.preset, **extra)
 
-    print(f"compile cost, preset {args.preset!r}, sizes {sizes}, {os.cpu_count()} CPUs")
+    print(f"compile cost, preset {args.preset!r}, sizes {sizes}, {os.cpu_count()} CPUs, "
+          f"sized_inductor_options from env: "
+          f"{os.environ.get('SIZEBACKEND_SIZED_INDUCTOR_OPTIONS', 'auto')}")
     r = {}
+    if args.restart_only:
+        ours, theirs = dirs(), dirs()
+        r["cold_deep"] = measure(spec(f"cold, {deep} layers", deep), *ours)
+        r["warm_deep"] = measure(spec(f"warm start, {deep} layers", deep), *ours)
+        r["cold_dynamic"] = measure(spec(f"dynamic=True cold, {deep} layers", deep, kind="dynamic"), *theirs)
+        r["warm_dynamic"] = measure(spec(f"dynamic=True warm start, {deep} layers", deep, kind="dynamic"), *theirs)
+        rows = [("warm start: sizebackend / dynamic=True",
+                 r["warm_deep"]["compile"] / r["warm_dynamic"]["compile"], "<= 1.0"),
+                ("cold: sizebackend / dynamic=True",
+                 r["cold_deep"]["compile"] / r["cold_dynamic"]["compile"], "(info)")]
+        _report(rows, r, args.json)
+        return 0
     r["cold_shallow"] = measure(spec(f"cold, {shallow} layers", shallow), *dirs())
     deep_dirs = dirs()
     r["cold_deep"] = measure(spec(f"cold, {deep} layers", deep), *deep_dirs)
     r["warm_deep"] = measure(spec(f"warm start, {deep} layers", deep), *deep_dirs)
     r["warm_deep_2"] = measure(spec(f"second warm start, {deep} layers", deep), *deep_dirs)
+    dynamic_dirs = dirs()
+    r["cold_dynamic"] = measure(spec(f"dynamic=True cold, {deep} layers", deep, kind="dynamic"), *dynamic_dirs)
+    r["warm_dynamic"] = measure(spec(f"dynamic=True warm start, {deep} layers", deep, kind="dynamic"),
+                                *dynamic_dirs)
     r["warm_ours_only"] = measure(spec(f"warm, Inductor cache emptied, {deep} layers", deep),
                                   dirs()[0], deep_dirs[1])
     r["static_deep"] = measure(spec(f"torch.compile(dynamic=False), {deep} layers", deep,
@@ -150,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         (f"cold {deep} layers / cold {shallow} layers", cold / r["cold_shallow"]["compile"], "<= 1.2"),
         ("warm start / cold", warm / cold, "<= 0.10"),
         ("second warm start / cold", r["warm_deep_2"]["compile"] / cold, "<= 0.10"),
+        ("warm start: sizebackend / dynamic=True", warm / r["warm_dynamic"]["compile"], "<= 1.0"),
         ("warm, only our cache kept / cold", r["warm_ours_only"]["compile"] / cold, "(info)"),
         ("sizebackend cold / dynamic=False per size", cold / r["static_deep"]["compile"], "< 1"),
         ("specialize_float: warm start / cold",
@@ -161,14 +188,18 @@ def main(argv: list[str] | None = None) -> int:
         ("first output: background / eager mode",
          r["background_deep"]["first"] / r["cold_deep"]["first"], "(info)"),
     ]
+    _report(rows, r, args.json)
+    return 0
+
+
+def _report(rows, results: dict, json_path: str | None) -> None:
     print()
     print(f"  {'ratio':<48} {'value':>6}  target")
     for name, value, target in rows:
         print(f"  {name:<48} {value:6.2f}  {target}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"results": r, "ratios": {n: v for n, v, _ in rows}}, f, indent=1)
-    return 0
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"results": results, "ratios": {n: v for n, v, _ in rows}}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,19 @@ DEFAULT_SPLITTING_OPS: tuple[str, ...] = (
     "sizebackend::attention",
 )
 
+#: The Inductor patches sized pieces get by default, per device type, chosen by
+#: measurement (benchmarks/bench_tuning.py; README "Per-size tuning"):
+#: - cpu: constant (frozen) weights plus max-autotune with the C++ GEMM template, which
+#:   needs constant weights; on the built-in Llama listed sizes ran at 0.60-0.72x of
+#:   torch.compile(dynamic=False). Freezing alone (mkl-packed linears) was slower at
+#:   small batches, cpp_wrapper never helped, max-autotune without freezing changes
+#:   nothing (the template never applies).
+#: - cuda: what vLLM compiles its single sizes with (max-autotune, coordinate descent).
+SIZED_DEFAULTS: dict[str, dict[str, Any]] = {
+    "cpu": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"},
+    "cuda": {"max_autotune": True, "coordinate_descent_tuning": True},
+}
+
 #: vLLM's capture sizes: 1, 2, 4 and every multiple of 8 up to 256.
 DEFAULT_CUDAGRAPH_SIZES: tuple[int, ...] = (1, 2, 4) + tuple(range(8, 257, 8))
 
@@ -48,6 +61,32 @@ def _default_cache_dir() -> str | None:
 
 def _default_direct_calls() -> bool:
     return os.environ.get("SIZEBACKEND_DIRECT_CALLS", "1").lower() not in ("0", "false", "off", "no")
+
+
+def _default_sized() -> Mapping[str, Any] | None:
+    text = os.environ.get("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS", "auto").strip()
+    if text.lower() in ("", "auto", "none"):
+        return None
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as e:
+        raise OptionError(
+            f"SIZEBACKEND_SIZED_INDUCTOR_OPTIONS is not 'auto' or a Python dict literal: "
+            f"{text!r} ({e})"
+        ) from None
+    return value
+
+
+def _inductor_patches(key: str, patches: Any) -> dict[str, Any]:
+    """``patches`` checked against Inductor's config (entry names and types), with
+    torch.compile's spelling "max-autotune" turned into the entry "max_autotune"."""
+    if not isinstance(patches, Mapping) or not all(isinstance(k, str) for k in patches):
+        raise _fail(key, patches, "must be a dict of str keys")
+    for name, value in patches.items():
+        problem = inductor.inductor_option_problem(name, value)
+        if problem is not None:
+            raise _fail(key, patches, f"entry {name!r}={value!r}: {problem}")
+    return {k.replace("-", "_"): v for k, v in patches.items()}
 
 
 class OptionError(ValueError, dynamo.user_error_base()):
@@ -99,6 +138,14 @@ class SizeBackendOptions:
 
     inductor_options: Mapping[str, Any] = field(default_factory=dict)
     """Inductor config patches applied to every piece compile (scoped, never global)."""
+
+    sized_inductor_options: Mapping[str, Any] | None = field(default_factory=lambda: _default_sized())
+    """Inductor config patches for the pieces of a listed size only, applied on top of
+    ``inductor_options`` (the general pieces never see them). ``None``: the measured
+    default of the graph's device, :data:`SIZED_DEFAULTS` (on CPU constant weights and
+    the C++ GEMM template, on CUDA max-autotune with coordinate descent); ``{}``: sized
+    pieces compile with exactly the general pieces' settings. Default: ``None``, or the
+    dict literal in ``SIZEBACKEND_SIZED_INDUCTOR_OPTIONS`` (``auto`` for ``None``)."""
 
     compile_mode: str = "eager"
     """When specialized pieces are compiled: ``"eager"`` when the graph arrives,
@@ -164,18 +211,10 @@ class SizeBackendOptions:
             raise _fail("compiler", self.compiler, f"must be one of {list(COMPILERS)}")
         if self.compile_mode not in COMPILE_MODES:
             raise _fail("compile_mode", self.compile_mode, f"must be one of {list(COMPILE_MODES)}")
-        if not isinstance(self.inductor_options, Mapping) or not all(
-            isinstance(k, str) for k in self.inductor_options
-        ):
-            raise _fail("inductor_options", self.inductor_options, "must be a dict of str keys")
-        for key, value in self.inductor_options.items():
-            problem = inductor.inductor_option_problem(key, value)
-            if problem is not None:
-                raise _fail(
-                    "inductor_options", self.inductor_options, f"entry {key!r}={value!r}: {problem}"
-                )
-        # torch.compile's spelling "max-autotune" is config entry "max_autotune".
-        set_("inductor_options", {k.replace("-", "_"): v for k, v in self.inductor_options.items()})
+        set_("inductor_options", _inductor_patches("inductor_options", self.inductor_options))
+        if self.sized_inductor_options is not None:
+            set_("sized_inductor_options",
+                 _inductor_patches("sized_inductor_options", self.sized_inductor_options))
         for name in ("cudagraphs", "pad_to_size", "strict", "direct_calls"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "must be True or False")
@@ -187,6 +226,14 @@ class SizeBackendOptions:
                 raise _fail(name, value, "must be a path or None")
             if value is not None:
                 set_(name, os.path.expanduser(str(value)))
+
+    def sized_options_for(self, device_type: str) -> dict[str, Any]:
+        """The Inductor patches of sized pieces on ``device_type`` (``"cpu"``, ``"cuda"``),
+        on top of ``inductor_options``: ``sized_inductor_options``, or the device's
+        measured default when it is ``None``."""
+        if self.sized_inductor_options is not None:
+            return dict(self.sized_inductor_options)
+        return dict(SIZED_DEFAULTS.get(device_type, {}))
 
     def __hash__(self) -> int:  # inductor_options is a dict; hash what defines code
         return hash(self.code_key())

@@ -5,6 +5,10 @@ import tempfile
 _RUN_DIR = tempfile.mkdtemp(prefix="sizebackend-tests-")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_RUN_DIR, "inductor"))
 os.environ.setdefault("SIZEBACKEND_CACHE_DIR", os.path.join(_RUN_DIR, "sizebackend"))
+# Sized pieces compile like the general ones unless a test asks for tuning: the CPU
+# default (constant weights + max-autotune) benchmarks every GEMM shape with gcc builds,
+# minutes per model on 2 cores. tests/compile/test_tuning.py checks the tuned path.
+os.environ.setdefault("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS", "{}")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -14,3 +14,8 @@ Nothing outside this package imports ``torch._*`` or reads ``SymInt.node``.
 import torch
 
 TORCH_VERSION = torch.__version__
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """The tensor's version counter: bumped by every in-place write (``Tensor._version``)."""
+    return tensor._version

@@ -16,7 +16,8 @@ environment (read when the options are parsed).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -51,66 +52,125 @@ def _cells(fn: Any) -> dict[str, Any]:
     return {name: cell.cell_contents for name, cell in zip(code.co_freevars, fn.__closure__)}
 
 
-def _aot_layers(artifact: Any) -> tuple[Callable[..., Any], Any] | None:
-    """AOT's generated runtime wrapper and the ``CompiledFxGraph`` it calls, found
-    under a ``standalone_compile`` artifact (fresh or read from disk), or ``None``
-    where the layers are not the ones this module knows."""
+_FREEZING_WRAPPER = "fw_compiler_freezing.<locals>.wrapper"
+
+
+@dataclass(frozen=True)
+class _Layers:
+    wrapper: Callable[..., Any]
+    """AOT's generated runtime wrapper (its code tells whether it does anything)."""
+    inner: Any
+    """The ``CompiledFxGraph`` whose ``current_callable`` is Inductor's ``call``."""
+    params: tuple[Any, ...]
+    """What AOT prepends to the arguments: the piece's lifted parameters and buffers
+    (a frozen piece's weights; empty otherwise)."""
+    preserved: tuple[int, ...] | None
+    """Of AOT's full argument list, the positions Inductor's freezing wrapper passes on
+    (the others were frozen into constants); ``None``: all of them."""
+
+
+def _aot_layers(artifact: Any) -> _Layers | None:
+    """The layers under a ``standalone_compile`` artifact (fresh or read from disk,
+    frozen or not) that a direct call must reproduce, or ``None`` where they are not
+    the ones this module knows."""
     from torch._functorch._aot_autograd.runtime_wrappers import SerializableCompiledFunction
     from torch._inductor.output_code import CompiledFxGraph
     from torch._inductor.standalone_compile import CacheCompiledArtifact
 
+    def unwrap(fn):
+        while isinstance(fn, SerializableCompiledFunction):  # AOT cache hits add one
+            fn = fn.compiled_fn
+        return fn
+
+    def qualname(fn) -> str | None:
+        return getattr(getattr(fn, "__code__", None), "co_qualname", None)
+
     if type(artifact) is not CacheCompiledArtifact:
         return None
     fn = artifact._compiled_fn
+    params: tuple[Any, ...] = ()
     for _ in range(len(_OUTER_LAYERS) + 2):
-        while isinstance(fn, SerializableCompiledFunction):  # AOT cache hits add one
-            fn = fn.compiled_fn
-        qualname = getattr(getattr(fn, "__code__", None), "co_qualname", None)
-        if qualname == _RUNTIME_WRAPPER:
+        fn = unwrap(fn)
+        if qualname(fn) == _RUNTIME_WRAPPER:
             break
-        if qualname not in _OUTER_LAYERS:
+        if qualname(fn) not in _OUTER_LAYERS:
             return None
         cells = _cells(fn)
         if cells.get("params_buffers_flat"):
-            return None  # AOT prepends lifted parameters: not a piece of ours
+            if params:
+                return None  # two layers prepend arguments: not a piece of ours
+            params = tuple(cells["params_buffers_flat"])
         if "spec" in cells and not cells["spec"].is_leaf():
             return None  # a nested output structure: not a piece of split_module's
         fn = cells.get("compiled_fn", cells.get("fn"))
     else:
         return None
     cells = _cells(fn)
-    wrapper, inner = cells.get("_codegen_runtime_wrapper"), cells.get("_inner_compiled_fn")
-    while isinstance(inner, SerializableCompiledFunction):
-        inner = inner.compiled_fn
+    wrapper, inner = cells.get("_codegen_runtime_wrapper"), unwrap(cells.get("_inner_compiled_fn"))
+    preserved = None
+    if qualname(inner) == _FREEZING_WRAPPER:
+        frozen = _cells(inner)
+        inner, preserved = frozen.get("optimized_function"), frozen.get("preserved_arg_indices")
+        if preserved is None or any(frozen.get("unwrapped_args_offsets") or [0]):
+            return None  # tensor subclasses unwrapped into several arguments
+        preserved = tuple(preserved)
+    elif params:
+        return None  # lifted parameters that were not frozen: AOT's full path
     if wrapper is None or not isinstance(inner, CompiledFxGraph):
         return None
-    return wrapper, inner
+    return _Layers(wrapper, inner, params, preserved)
 
 
 def generated_code(artifact: Any) -> str | None:
     """The Python module Inductor generated for ``artifact`` (for ``debug_dir``)."""
     layers = _aot_layers(artifact)
-    return getattr(layers[1], "source_code", None) if layers else None
+    return getattr(layers.inner, "source_code", None) if layers else None
+
+
+def _argument_builder(layers: _Layers, keep: Sequence[int] | None) -> Callable[[tuple], list]:
+    """How a call's arguments become the list Inductor's ``call`` takes: the caller's
+    arguments at ``keep`` (all: ``None``) after AOT's prepended ``params``, then only
+    the positions the freezing wrapper keeps."""
+    if layers.preserved is None and keep is None:
+        return list
+    n = len(layers.params)
+    preserved = layers.preserved if layers.preserved is not None else range(n + len(keep or ()))
+    sources = []  # ("param", value) or ("arg", caller position), in Inductor's order
+    for j in preserved:
+        if j < n:
+            sources.append((True, layers.params[j]))
+        else:
+            sources.append((False, keep[j - n] if keep is not None else j - n))
+    if not any(is_param for is_param, _ in sources):
+        positions = tuple(i for _, i in sources)
+        return lambda args: [args[i] for i in positions]
+    return lambda args: [value if is_param else args[value] for is_param, value in sources]
 
 
 def direct_call(
-    artifact: Any, *, returns_one: bool, slow: Callable[..., Any] | None = None
+    artifact: Any,
+    *,
+    returns_one: bool,
+    slow: Callable[..., Any] | None = None,
+    keep: Sequence[int] | None = None,
 ) -> Callable[..., Any] | None:
     """A callable equal to ``slow(*args)`` (default: ``artifact(*args)``) that calls
     Inductor's generated code directly, or ``None`` when ``artifact`` (a fresh or loaded
     ``standalone_compile`` result) is not a pass-through inference graph.
 
     ``returns_one``: the compiled graph returns one value rather than a tuple; AOT
-    returns a list either way, and ``slow`` returns that value itself.
+    returns a list either way, and ``slow`` returns that value itself. ``keep``: the
+    artifact takes only the caller's arguments at these positions (a frozen piece, see
+    ``compile/freeze.py``; ``slow`` then takes them all).
     The first call and every call with grad mode on go through ``slow`` (the artifact's
     first call runs AOT's one-time custom-op analysis and Inductor's autotune-cache
     bookkeeping; with grad on, AOT turns grad off around the call). After that a call is
-    Inductor's ``call(list(args))`` plus the dynamic-dim marks AOT puts on outputs.
+    Inductor's ``call(arguments)`` plus the dynamic-dim marks AOT puts on outputs.
     """
     layers = _aot_layers(artifact)
     if layers is None:
         return None
-    wrapper, inner = layers
+    wrapper, inner = layers.wrapper, layers.inner
     names = set(wrapper.__code__.co_names)
     if not names <= _PASS_THROUGH_NAMES | {n for n in names if n.startswith("_dyn_dims_")}:
         return None
@@ -122,6 +182,7 @@ def direct_call(
         if name.startswith("_dyn_dims_")
     ] if "_mark_dynamic_" in names else []
     mark = wrapper.__globals__.get("_mark_dynamic_")
+    arguments = _argument_builder(layers, keep)
     slow = slow or artifact
     grad_enabled = torch.is_grad_enabled
     run: list[Callable[[list[Any]], Any]] = []
@@ -132,7 +193,7 @@ def direct_call(
             if not run and inner.current_callable is not None:
                 run.append(inner.current_callable)
             return out
-        outs = run[0](list(args))
+        outs = run[0](arguments(args))
         if type(outs) is not list:
             outs = list(outs)
         for i, dims in marks:

@@ -64,8 +64,28 @@ def _hints(env) -> dict:
 
 
 def hint_of_symbol(value: Any, symbol) -> int:
-    """The concrete value Dynamo saw for one free symbol of ``value``'s expression."""
-    return int(_hints(value.node.shape_env)[symbol])
+    """The concrete value Dynamo saw for one free symbol of ``value``'s expression.
+
+    An unbacked symbol (``mark_unbacked``: ``u0``) has none; it gets the hint Inductor
+    plans with for it (``mark_unbacked(..., hint_override=N)``, else Inductor's
+    ``unbacked_symint_fallback``)."""
+    env = value.node.shape_env
+    table = _hints(env)
+    if symbol in table:
+        return int(table[symbol])
+    override = getattr(env, "var_to_hint_override", {}).get(symbol)
+    if override is not None:
+        return int(override)
+    from torch._inductor import config as inductor_config
+
+    return int(inductor_config.unbacked_symint_fallback)
+
+
+def is_unbacked(symbol) -> bool:
+    """A symbol Dynamo made for ``mark_unbacked`` (or a data-dependent size)."""
+    from torch.utils._sympy.symbol import SymT, symbol_is_type
+
+    return symbol_is_type(symbol, SymT.UNBACKED_INT)
 
 
 def value_range(shape_env, symbol) -> tuple[int | None, int | None]:

@@ -37,7 +37,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch.fx
 
@@ -221,8 +221,10 @@ class PieceCache:
         level = logging.WARNING if _SHARED.first_warning(reason) else logging.DEBUG
         log.log(level, "sizebackend cache: " + message, *args)
 
-    def key(self, gm: torch.fx.GraphModule, inputs: Sequence[Any], runtime_size: int | None) -> str | None:
-        key = piece_key(gm, inputs, runtime_size, self.code_key)
+    def key(self, gm: torch.fx.GraphModule, inputs: Sequence[Any], runtime_size: int | None,
+            config: Mapping[str, Any]) -> str | None:
+        """``config``: the Inductor config patches this compile applies."""
+        key = piece_key(gm, inputs, runtime_size, f"{self.code_key}|{sorted(config.items())!r}")
         if key is None:
             COUNTERS.add_keyed("cache_skips", "unkeyable")
         return key

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import torch.fx
 
@@ -43,30 +43,42 @@ class CompilerAdaptor(Protocol):
 class EagerAdaptor:
     name = "eager"
 
+    def config_for(self, runtime_size: int | None) -> dict[str, Any]:
+        return {}
+
     def compile(self, gm, example_inputs, runtime_size, fake_mode=None) -> CompiledPiece:
         return gm.forward
 
 
 class InductorAdaptor:
+    """Inductor, with ``inductor_options`` for every piece and ``sized_options`` on top
+    for the pieces of a listed size (see ``options.sized_inductor_options``)."""
+
     name = "inductor"
 
-    def __init__(self, inductor_options: dict[str, Any]):
+    def __init__(self, inductor_options: Mapping[str, Any], sized_options: Mapping[str, Any] = {}):
         self.inductor_options = dict(inductor_options)
+        self.sized_options = {**self.inductor_options, **sized_options}
+
+    def config_for(self, runtime_size: int | None) -> dict[str, Any]:
+        """The Inductor config patches of a compile for ``runtime_size``."""
+        return self.inductor_options if runtime_size is None else self.sized_options
 
     def compile(self, gm, example_inputs, runtime_size, fake_mode=None) -> CompiledPiece:
         return inductor.standalone_compile(
             gm,
             example_inputs,
             from_graph=runtime_size is None,
-            inductor_options=self.inductor_options,
+            inductor_options=self.config_for(runtime_size),
             fake_mode=fake_mode,
         )
 
 
-def make_adaptor(options: SizeBackendOptions) -> CompilerAdaptor:
+def make_adaptor(options: SizeBackendOptions, device_type: str = "cpu") -> CompilerAdaptor:
+    """The adaptor of ``options`` for a graph whose inputs live on ``device_type``."""
     if options.compiler == "eager":
         return EagerAdaptor()
-    return InductorAdaptor(options.inductor_options)
+    return InductorAdaptor(options.inductor_options, options.sized_options_for(device_type))
 
 
 def size_key(runtime_size: int | None) -> str:
@@ -94,7 +106,8 @@ def compile_piece(
     come through here and that attempt's graph is thrown away.
     """
     key = key or size_key(runtime_size)
-    artifact_key = cache.key(gm, example_inputs, runtime_size) if cache is not None else None
+    config = adaptor.config_for(runtime_size)
+    artifact_key = cache.key(gm, example_inputs, runtime_size, config) if cache is not None else None
     if artifact_key is not None:
         found = cache.lookup(artifact_key, gm, debug_name)
         if found is not None:

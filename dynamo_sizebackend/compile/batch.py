@@ -114,8 +114,11 @@ class ConcreteInputs:
         if not isinstance(value, torch.SymInt):
             return value
         expr = shape_env.sym_expr(value)
-        hints = {s: shape_env.hint_of_symbol(value, s) for s in expr.free_symbols}
-        hints[self.batch_symbol] = self.size
+        # The batch's hint is ``size``: an unbacked batch (``mark_unbacked``) has none.
+        hints = {
+            s: self.size if s == self.batch_symbol else shape_env.hint_of_symbol(value, s)
+            for s in expr.free_symbols
+        }
         for sym in expr.free_symbols:
             if sym not in self._symbols:
                 fresh = shape_env.new_symint(self.fake_mode, f"sb_{sym}", hints[sym])

@@ -22,7 +22,7 @@ from ..options import SizeBackendOptions
 from ..runtime import cudagraphs, padding
 from ..runtime.runner import Program, Runner, generated_forward
 from ..stats import COUNTERS
-from . import background, floats, guards
+from . import background, floats, freeze, guards
 from .adaptor import CompiledPiece, compile_piece, make_adaptor, size_key
 from .batch import ConcreteInputs, find_batch
 from .failures import Fallbacks
@@ -51,24 +51,38 @@ class GraphCompiler:
     def __init__(self, options: SizeBackendOptions, graph_id: int):
         self.options = options
         self.graph_id = graph_id
-        self.adaptor = make_adaptor(options)
+        self.adaptor = make_adaptor(options)  # made again for the graph's device in __call__
         self.cache = piece_cache_for(options)  # None for the eager adaptor
         self.progress = CompileProgress(f"sizebackend graph {graph_id}")
         self.fallbacks = Fallbacks(graph_id, options.strict)
         self._factory = None
+        self._freezable: dict[str, torch.Tensor] = {}  # see compile/freeze.py
 
-    def _compile(self, name: str, gm, inputs, size, key, fake_mode=None) -> CompiledPiece:
+    def _compile(self, name: str, gm, inputs, size, key, fake_mode=None, keep=None) -> CompiledPiece:
+        """``keep``: ``gm`` is a frozen copy of the piece that takes only the arguments
+        at these positions (not cached: torch cannot save a frozen graph, and its key
+        would have to hash the weights)."""
+        if keep is not None:
+            COUNTERS.add_keyed("cache_skips", "frozen")
         compiled = compile_piece(
             self.adaptor, gm, list(inputs), size, key=key, fake_mode=fake_mode,
             debug_dir=self.options.debug_dir, debug_name=f"graph{self.graph_id}_{name}",
-            cache=self.cache,
+            cache=self.cache if keep is None else None,
         )
         self.progress.step()
+        slow = compiled if keep is None else freeze.drop_args(compiled, keep)
         if not self.options.direct_calls:
-            return compiled
+            return slow
         artifact = compiled.artifact if isinstance(compiled, FirstOutput) else compiled
-        direct = direct_call.direct_call(artifact, returns_one=returns_one_value(gm), slow=compiled)
-        return direct or compiled
+        direct = direct_call.direct_call(
+            artifact, returns_one=returns_one_value(gm), slow=slow, keep=keep
+        )
+        return direct or slow
+
+    def _freezes(self) -> bool:
+        """Sized pieces get constant weights: asked for by their Inductor config, and
+        possible (Inductor freezes only graphs compiled with grad mode off)."""
+        return bool(self._freezable) and not torch.is_grad_enabled()
 
     def compile_general(self, sg: SplitGraph, inputs: dict[str, tuple], key: str) -> Program:
         pieces: dict[str, CompiledPiece] = {}
@@ -105,15 +119,23 @@ class GraphCompiler:
         key = size_key(size)
         concrete = ConcreteInputs(symbol, size)
         pieces: dict[str, CompiledPiece] = {}
+        frozen_tensors: list[torch.Tensor] = []
+        freezes = self._freezes()
         for piece in sg.pieces:
             if piece.is_split_op:
                 pieces[piece.name] = getattr(general, piece.name)
                 continue
-            sub = getattr(sg.gm, piece.name)
+            sub, keep = getattr(sg.gm, piece.name), None
+            piece_inputs = inputs[piece.name]
+            frozen = freeze.freeze_piece(sg.gm, piece.name, self._freezable) if freezes else None
+            if frozen is not None:
+                sub, keep, tensors = frozen
+                piece_inputs = [piece_inputs[i] for i in keep]
+                frozen_tensors += tensors
             try:
-                example = concrete.convert(inputs[piece.name])
+                example = concrete.convert(piece_inputs)
                 pieces[piece.name] = self._compile(
-                    piece.name, sub, example, size, key, fake_mode=concrete.fake_mode
+                    piece.name, sub, example, size, key, fake_mode=concrete.fake_mode, keep=keep
                 )
             except Exception as e:  # counted, logged, visible in stats; strict raises
                 self.fallbacks.record(key, piece.name, e)
@@ -135,11 +157,17 @@ class GraphCompiler:
             pieces = cudagraphs.capture_pieces(
                 sg.gm, split_ops, pieces, size, self._factory, self.options.cudagraph_warmups
             )
-        return Program(key, pieces, check=check and check[1], clone_outputs=self.options.cudagraphs)
+        return Program(
+            key, pieces, check=check and check[1], clone_outputs=self.options.cudagraphs,
+            frozen=freeze.FrozenWeights(frozen_tensors) if frozen_tensors else None,
+        )
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Runner:
         batch = find_batch(gm, self.options.batch_dim)
         sg = split(gm, OpMatcher(self.options.splitting_ops))
+        self.adaptor = make_adaptor(self.options, _device_type(example_inputs))
+        if self.adaptor.config_for(0).get("freezing"):
+            self._freezable = freeze.freezable_inputs(gm, example_inputs)
 
         fakes = [dynamo.placeholder_example(n) for n in gm.graph.nodes if n.op == "placeholder"]
         fake_mode = shape_env.graph_fake_mode(fakes)
@@ -206,7 +234,18 @@ class GraphCompiler:
         if len(sizes) < len(wanted):
             log.info(
                 "sizebackend: graph %d: sizes %s are outside the batch range [%s, %s] this graph "
-                "can see (Dynamo sends them to graphs of their own); not compiling them here",
+                "can see (Dynamo sends them to graphs of their own); not compiling them here%s",
                 self.graph_id, sorted(set(wanted) - set(sizes)), lower, upper,
+                "; mark the batch dim with torch._dynamo.decorators.mark_unbacked(x, 0) on the "
+                "first call to serve size 1 from this graph"
+                if 1 in wanted and lower == 2 and not shape_env.is_unbacked(symbol) else "",
             )
         return sizes
+
+
+def _device_type(example_inputs: list[Any]) -> str:
+    """Where the graph runs: the device of its first tensor input (``"cpu"`` without one)."""
+    for value in example_inputs:
+        if isinstance(value, torch.Tensor):
+            return value.device.type
+    return "cpu"

@@ -39,9 +39,11 @@ class Program:
         pieces: Mapping[str, Callable[..., Any]],
         check: Callable[[tuple[Any, ...]], bool] | None = None,
         clone_outputs: bool = False,
+        frozen: Any = None,
     ):
         self.key = key
         self.check = check
+        self.frozen = frozen  # compile/freeze.FrozenWeights of a size compiled with constant weights
         self.clone_outputs = clone_outputs  # CUDA-graph replays overwrite their outputs
         for name, fn in pieces.items():
             setattr(self, name, fn)
@@ -111,6 +113,21 @@ class Runner:
                     self._by_size[size] = program
         return program or self._general
 
+    def _retire(self, size: int, program: Program) -> Program:
+        """A frozen weight of ``size``'s pieces changed since they were compiled: they
+        would compute with the old values. Drop them; the size compiles again, with the
+        new values, right now (it is pending from here on)."""
+        log.warning(
+            "sizebackend: a weight frozen into the size-%d pieces changed (written in place "
+            "or given new storage) after they were compiled; compiling size %d again", size, size,
+        )
+        COUNTERS.add_keyed("fallbacks", "frozen_weights")
+        with self._lock:
+            if self._by_size.get(size) is program:
+                del self._by_size[size]
+                self._pending.add(size)
+        return self._compile_pending(size) if self._compile_size else self._general
+
     def _guard_miss(self, size: int, program: Program) -> Program:
         if size not in self._guard_misses:
             self._guard_misses.add(size)
@@ -129,6 +146,8 @@ class Runner:
             program = self._by_size.get(size)
             if program is None:
                 program = self._compile_pending(size) if size in self._pending else self._general
+            elif program.frozen is not None and program.frozen.changed():
+                program = self._retire(size, program)
             elif program.check is not None and not program.check(args):
                 program = self._guard_miss(size, program)
             if program is self._general and self._pad is not None:
@@ -141,6 +160,9 @@ class Runner:
         """``pad_to_size``: run on the next larger listed size's pieces, slice back."""
         target = self._pad.target_for(size)
         program = self._by_size.get(target) if target is not None else None
+        if program is not None and program.frozen is not None and program.frozen.changed():
+            program = self._retire(target, program)
+            program = None if program is self._general else program
         padded = self._pad.pad(args, size, target) if program is not None else None
         if program is None or (program.check is not None and not program.check(tuple(padded))):
             COUNTERS.add_keyed("calls", self._general.key)

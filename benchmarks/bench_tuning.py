@@ -1,0 +1,139 @@
+"""Which Inductor settings make a sized piece earn its compile: one interleaved run.
+
+Per-call latency at listed sizes of sizebackend with each candidate for
+``sized_inductor_options`` (the general pieces keep Inductor's defaults), next to eager,
+``torch.compile(dynamic=True)`` and ``torch.compile(dynamic=False)``, every variant
+timed call by call in rotating order (see ``bench_latency.interleaved``). Ratios are
+against ``dynamic=False``; every output is checked against eager first.
+
+    python benchmarks/bench_tuning.py [--model llama-small | sdpa] [--sizes 2,4,8]
+                                      [--candidates default,freeze,...] [--json out.json]
+
+Candidates (``--candidates``, comma-separated; ``all`` for every one):
+  none           {}: sized pieces compiled like the general ones
+  cpp_wrapper    Inductor's C++ wrapper instead of its Python one
+  autotune       max-autotune with the C++ GEMM template, weights still inputs
+  freeze         constant (frozen, prepacked) weights
+  freeze+autotune   both: the CPU default (options.SIZED_DEFAULTS["cpu"])
+  freeze+concat  constant weights with q/k/v and gate/up linears concatenated
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench-tuning-"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import dynamo_sizebackend as sb  # noqa: E402
+from bench_latency import interleaved  # noqa: E402
+from dynamo_sizebackend.models import build_model  # noqa: E402
+from dynamo_sizebackend.models.sdpa import TinyTransformer  # noqa: E402
+from dynamo_sizebackend.options import SIZED_DEFAULTS  # noqa: E402
+
+GEMM = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+CANDIDATES = {
+    "none": {},
+    "cpp_wrapper": {"cpp_wrapper": True},
+    "autotune": dict(GEMM),
+    "freeze": {"freezing": True},
+    "freeze+autotune": dict(SIZED_DEFAULTS["cpu"]),
+    "freeze+concat": {"freezing": True, "cpp.enable_concat_linear": True},
+}
+
+
+def build(name: str, dim: int, layers: int, seq: int):
+    """The model and ``inputs(n)`` giving the arguments of a call at batch ``n``."""
+    if name == "sdpa":
+        model = TinyTransformer(layers, dim, 4, mlp_ratio=4).eval()
+        return model, lambda n: (torch.randn(n, seq, dim, generator=torch.Generator().manual_seed(n)),)
+    model = build_model(name.split("-", 1)[1])
+    model.allocate_kv_cache(4, 256)
+
+    def inputs(n):  # n tokens, one per decoding sequence: a decode step
+        ids = torch.randint(model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+        return ids, torch.arange(n) % 256, torch.zeros(n, dtype=torch.long)
+
+    return model, inputs
+
+
+def marked(args: tuple) -> tuple:
+    """Copies whose batch dim alone is dynamic (the README's marking)."""
+    out = []
+    for t in args:
+        t = t.clone()
+        torch._dynamo.mark_dynamic(t, 0)
+        out.append(t)
+    return tuple(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-small", help="sdpa, or llama-<preset>")
+    p.add_argument("--dim", type=int, default=128, help="sdpa only")
+    p.add_argument("--layers", type=int, default=2, help="sdpa only")
+    p.add_argument("--seq", type=int, default=16, help="sdpa only")
+    p.add_argument("--sizes", default="2,4,8")
+    p.add_argument("--candidates", default="none,freeze,freeze+autotune")
+    p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    torch._dynamo.config.recompile_limit = 64  # dynamic=False compiles once per size
+    sizes = [int(s) for s in a.sizes.split(",")]
+    names = list(CANDIDATES) if a.candidates == "all" else a.candidates.split(",")
+    model, inputs = build(a.model, a.dim, a.layers, a.seq)
+
+    variants = {  # name: (callable, inputs marked?)
+        "eager": (model, False),
+        "dynamic=True": (torch.compile(model, dynamic=True), False),
+        "dynamic=False": (torch.compile(model, dynamic=False), False),
+    }
+    for name in names:
+        options = {"compile_sizes": sizes, "cache_dir": None,
+                   "sized_inductor_options": CANDIDATES[name]}
+        variants[f"sb {name}"] = (torch.compile(model, backend="sizebackend", options=options), True)
+
+    plain = {n: inputs(n) for n in sizes}
+    marks = {n: marked(plain[n]) for n in sizes}
+    compile_s: dict[str, float] = {}
+    results: dict[str, dict[int, float]] = {name: {} for name in variants}
+    with torch.inference_mode():
+        reference = {n: model(*plain[n]) for n in sizes}
+        for name, (fn, mark) in variants.items():
+            start = time.perf_counter()
+            for n in sizes:
+                out = fn(*(marks[n] if mark else plain[n]))
+                torch.testing.assert_close(out, reference[n], rtol=1e-4, atol=1e-4)
+            compile_s[name] = time.perf_counter() - start
+            print(f"# {name}: first calls (compiles) {compile_s[name]:.1f}s", file=sys.stderr, flush=True)
+        for n in sizes:
+            calls = {name: functools.partial(fn, *(marks[n] if mark else plain[n]))
+                     for name, (fn, mark) in variants.items()}
+            for name, seconds in interleaved(calls, a.iters).items():
+                results[name][n] = seconds * 1e6
+
+    print(f"\n{a.model}: median us per call (ratio to dynamic=False), {a.threads} thread(s), "
+          f"{a.iters} interleaved calls")
+    print(f"{'variant':>20} " + " ".join(f"{'n=' + str(n):>17}" for n in sizes) + f" {'first calls s':>14}")
+    for name in variants:
+        cells = " ".join(
+            f"{results[name][n]:9.1f} ({results[name][n] / results['dynamic=False'][n]:.3f})" for n in sizes
+        )
+        print(f"{name:>20} {cells} {compile_s[name]:14.1f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"us": results, "first_calls_s": compile_s, "stats": sb.stats().to_dict()}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

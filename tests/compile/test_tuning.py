@@ -1,0 +1,147 @@
+"""Per-size tuning: Inductor patches only for the pieces of a listed size, and constant
+(frozen) weights for them, with the weights' later changes caught."""
+import pytest
+import torch
+
+import dynamo_sizebackend as sb
+from dynamo_sizebackend import parse_options
+from dynamo_sizebackend._torch import direct_call, inductor
+from dynamo_sizebackend.options import SIZED_DEFAULTS
+
+from ..nets import MLP, TinyTransformer, batch, compile_sb
+
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+
+
+def test_sized_defaults_per_device_and_explicit_choice(monkeypatch):
+    monkeypatch.delenv("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS")
+    auto = parse_options({})
+    assert auto.sized_inductor_options is None
+    assert auto.sized_options_for("cpu") == SIZED_DEFAULTS["cpu"]
+    assert auto.sized_options_for("cpu")["freezing"] is True
+    assert auto.sized_options_for("cuda") == {"max_autotune": True, "coordinate_descent_tuning": True}
+    assert parse_options({"sized_inductor_options": {}}).sized_options_for("cpu") == {}
+    chosen = parse_options({"sized_inductor_options": {"max-autotune": True}})
+    assert chosen.sized_options_for("cuda") == {"max_autotune": True}
+    monkeypatch.setenv("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS", "{'freezing': True}")
+    assert parse_options({}).sized_options_for("cpu") == {"freezing": True}
+    monkeypatch.setenv("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS", "auto")
+    assert parse_options({}).sized_inductor_options is None
+
+
+@pytest.mark.parametrize("value, match", [
+    ({"no_such_entry": 1}, r"'sized_inductor_options'.*'no_such_entry'.*no such"),
+    ({"freezing": "yes"}, r"'sized_inductor_options'.*'freezing'.*bool"),
+    ([("freezing", True)], r"'sized_inductor_options'.*dict of str keys"),
+])
+def test_bad_sized_options_name_key_and_value(value, match):
+    with pytest.raises(ValueError, match=match):
+        parse_options({"sized_inductor_options": value})
+
+
+def test_bad_sized_options_environment_is_an_error(monkeypatch):
+    monkeypatch.setenv("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS", "{'freezing': True")
+    with pytest.raises(ValueError, match="SIZEBACKEND_SIZED_INDUCTOR_OPTIONS"):
+        parse_options({})
+
+
+@pytest.fixture
+def compiles(monkeypatch):
+    """The Inductor patches of every real compile, by whether it was the general shape."""
+    seen = []
+    real = inductor.standalone_compile
+
+    def spy(gm, example_inputs, *, from_graph, inductor_options, fake_mode=None):
+        seen.append((from_graph, dict(inductor_options)))
+        return real(gm, example_inputs, from_graph=from_graph,
+                    inductor_options=inductor_options, fake_mode=fake_mode)
+
+    monkeypatch.setattr(inductor, "standalone_compile", spy)
+    return seen
+
+
+@pytest.mark.inductor
+@torch.no_grad()
+def test_sized_options_reach_only_sized_pieces(compiles):
+    model = MLP().eval()
+    compiled = compile_sb(model, compile_sizes=[2, 4], cache_dir=None,
+                          inductor_options={"epilogue_fusion": False},
+                          sized_inductor_options={"max_autotune_pointwise": True})
+    for n in (3, 2, 4):
+        x = torch.randn(n, 16)
+        torch.testing.assert_close(compiled(x), model(x), **TOL)
+    # MLP: 1 piece, general + sizes 2 and 4.
+    assert compiles == [
+        (True, {"epilogue_fusion": False}),
+        (False, {"epilogue_fusion": False, "max_autotune_pointwise": True}),
+        (False, {"epilogue_fusion": False, "max_autotune_pointwise": True}),
+    ]
+    assert sb.stats().compiles == {"dynamic": 1, "2": 1, "4": 1}
+
+
+FREEZE = {"sized_inductor_options": {"freezing": True}, "cache_dir": None}
+
+
+@pytest.mark.inductor
+@torch.no_grad()
+def test_frozen_sized_pieces_match_eager_and_hold_constant_weights(tmp_path):
+    model = TinyTransformer(layers=1).eval()
+    compiled = compile_sb(model, compile_sizes=[4], debug_dir=str(tmp_path), **FREEZE)
+    # 1 attention -> 2 pieces; both size-4 pieces take parameters, so both are frozen
+    # (and not cached: torch cannot save a frozen graph).
+    with sb.expect(compiles={"dynamic": 2, 4: 2}, cache_skips={"frozen": 2},
+                   calls={4: 3, "dynamic": 2}):
+        for n in (4, 3, 4, 5, 4):
+            torch.testing.assert_close(compiled(batch(n)), model(batch(n)), **TOL)
+    sized = sorted(p.name for p in tmp_path.glob("*_4.code.py"))
+    general = sorted(p.name for p in tmp_path.glob("*_dynamic.code.py"))
+    assert len(sized) == 2 and len(general) == 2
+    assert all("_frozen_param" in (tmp_path / name).read_text() for name in sized)
+    assert not any("_frozen_param" in (tmp_path / name).read_text() for name in general)
+
+
+@pytest.mark.inductor
+@torch.no_grad()
+def test_frozen_pieces_run_direct(monkeypatch):
+    calls = []
+    real = direct_call._argument_builder
+
+    def counting(layers, keep):
+        build = real(layers, keep)
+        calls.append(layers.preserved is not None)
+        return build
+
+    monkeypatch.setattr(direct_call, "_argument_builder", counting)
+    model = TinyTransformer(layers=1).eval()
+    compiled = compile_sb(model, compile_sizes=[4], **FREEZE)
+    for n in (4, 4, 3):
+        torch.testing.assert_close(compiled(batch(n)), model(batch(n)), **TOL)
+    # 2 general pieces (nothing frozen) and 2 frozen size-4 pieces took the direct path.
+    assert sorted(calls) == [False, False, True, True]
+
+
+@pytest.mark.inductor
+@torch.no_grad()
+def test_a_weight_changed_after_compile_recompiles_the_size(caplog):
+    model = TinyTransformer(layers=1).eval()
+    compiled = compile_sb(model, compile_sizes=[4], **FREEZE)
+    torch.testing.assert_close(compiled(batch(4)), model(batch(4)), **TOL)
+    model.blocks[0].qkv.weight.mul_(1.5)  # in place, as load_state_dict or an optimizer
+    with sb.expect(compiles={4: 2}, fallbacks={"frozen_weights": 1}, calls={4: 2}):
+        torch.testing.assert_close(compiled(batch(4)), model(batch(4)), **TOL)
+        torch.testing.assert_close(compiled(batch(4)), model(batch(4)), **TOL)
+    model.blocks[0].mlp[0].weight.data = model.blocks[0].mlp[0].weight.data * 0.5  # new storage
+    with sb.expect(compiles={4: 2}, fallbacks={"frozen_weights": 1}, calls={4: 1}):
+        torch.testing.assert_close(compiled(batch(4)), model(batch(4)), **TOL)
+
+
+@pytest.mark.inductor
+def test_grad_mode_on_compiles_sized_pieces_unfrozen():
+    """Inductor freezes only graphs without backward: with grad on nothing is frozen."""
+    model = TinyTransformer(layers=1).eval()
+    compiled = compile_sb(model, compile_sizes=[4], **FREEZE)
+    with sb.expect(compiles={"dynamic": 2, 4: 2}):
+        out = compiled(batch(4))
+    assert "frozen" not in sb.stats().cache_skips
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(batch(4)), **TOL)
