@@ -3,8 +3,8 @@ result (torch 2.13).
 
 Why private: ``torch._inductor.standalone_compile`` is the documented precompile entry
 point and ``CompiledArtifact.save/load`` the documented way to persist its result, but
-both live under ``torch._inductor``; Inductor's and AOTAutograd's config dumps (for the
-cache key) have no public accessor.
+both live under ``torch._inductor``; what Inductor's and AOTAutograd's caches key a
+compile on (for the artifact cache key) has no public accessor.
 """
 from __future__ import annotations
 
@@ -73,45 +73,40 @@ def inductor_option_problem(key: str, value: Any) -> str | None:
     return None
 
 
-def _stable_repr(value: Any) -> str:
-    """``repr`` that is the same in every process (sets sorted), or ``TypeError``."""
-    if isinstance(value, (bool, int, float, str, type(None))):
-        return repr(value)
-    if isinstance(value, (list, tuple)):
-        return type(value).__name__ + "(" + ",".join(_stable_repr(v) for v in value) + ")"
-    if isinstance(value, (set, frozenset)):
-        return "set(" + ",".join(sorted(_stable_repr(v) for v in value)) + ")"
-    if isinstance(value, dict):
-        items = sorted((_stable_repr(k), _stable_repr(v)) for k, v in value.items())
-        return "dict(" + ",".join(f"{k}:{v}" for k, v in items) + ")"
-    uuid = getattr(value, "uuid", None)  # Inductor's CustomGraphPass protocol
-    if callable(uuid):
-        return f"uuid:{uuid()!r}"
-    raise TypeError(f"no stable text for {type(value).__name__}")
+#: What :class:`FxGraphHashDetails` holds that the piece key writes itself, canonically
+#: (nodes by position, symbols by first appearance): Inductor's own pickles of the graph
+#: and the fake inputs carry node and symbol names, which differ between identical layers.
+_KEYED_BY_CALLER = frozenset({"gm", "example_inputs", "fx_kwargs"})
 
 
-def compile_config_fingerprint() -> str | None:
-    """Inductor's and AOTAutograd's global configs as stable text, or ``None`` when a
-    setting (a custom pass without ``uuid()``) cannot be written stably.
+def compile_environment_key(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> str:
+    """A hash of everything but the graph and its inputs that Inductor's and AOTAutograd's
+    own caches key a compile on. Raises where Inductor could not hash it either and
+    bypasses its own cache (a custom pass that is no ``CustomGraphPass``: ``AssertionError``;
+    a config that does not pickle: ``BypassFxGraphCache``).
 
-    ``save_config_portable`` leaves out what does not change code (trace and cache
-    settings), as the FX graph cache does; the custom passes it also leaves out do change
-    code, so they are added back by their ``uuid()``."""
-    from torch._functorch import config as functorch_config
-    from torch._inductor import config as inductor_config
+    The factors are Inductor's, not a list of ours: the object its FX graph cache hashes
+    (``FxGraphHashDetails``, built as ``AOTAutogradCacheDetails`` builds it, plus that
+    class's runtime state) minus the graph, inputs and compile kwargs, pickled by its
+    ``FxGraphCachePickler``. So: ``torch_key()`` (torch's source), ``CacheBase.get_system()``
+    (Triton, CUDA/HIP and the GPU), every Inductor config including private ones
+    (``save_config_portable(ignore_private_configs=False)``), the C++ thread count the
+    kernels are specialized for (``parallel_num_threads()``), the default dtype, CUDA
+    matmul precision flags, deterministic-algorithm settings, custom passes by uuid, hint
+    overrides; and from AOTAutograd: grad mode, autocast dtypes, its config. Added here:
+    ``torch.get_float32_matmul_precision()`` and the oneDNN matmul precision (CPU GEMMs),
+    which ``"medium"`` and ``"high"`` set apart and Inductor's key does not.
+    """
+    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCacheDetails
+    from torch._inductor.codecache import FxGraphCachePickler, FxGraphHashDetails
 
-    parts = []
-    try:
-        for config in (inductor_config, functorch_config):
-            portable = config.save_config_portable()
-            for name, value in sorted(config.get_config_copy().items()):
-                if name in portable:
-                    parts.append(f"{name}={_stable_repr(value)}")
-                elif "custom" in name and "pass" in name and value is not None:
-                    parts.append(f"{name}={_stable_repr(value)}")
-    except TypeError:
-        return None
-    return "\n".join(parts)
+    details = AOTAutogradCacheDetails.__new__(AOTAutogradCacheDetails)
+    details._record_runtime_state(gm)
+    FxGraphHashDetails.__init__(details, gm, example_inputs, {}, [])
+    state = {k: v for k, v in vars(details).items() if k not in _KEYED_BY_CALLER}
+    state["float32_matmul_precision"] = torch.get_float32_matmul_precision()
+    state["mkldnn_matmul_fp32_precision"] = torch.backends.mkldnn.matmul.fp32_precision
+    return FxGraphCachePickler(gm).get_hash(state)
 
 
 def save_artifact(artifact: Any, path: str) -> None:

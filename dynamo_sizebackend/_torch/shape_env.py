@@ -107,6 +107,13 @@ def symbol_range(value: Any, symbol) -> tuple[int | None, int | None]:
     return value_range(value.node.shape_env, symbol)
 
 
+def symbol_hint_override(value: Any, symbol) -> int | None:
+    """The size Inductor is told to plan ``symbol`` for (``mark_unbacked(...,
+    hint_override=N)``), or ``None``."""
+    override = getattr(value.node.shape_env, "var_to_hint_override", {}).get(symbol)
+    return None if override is None else int(override)
+
+
 def added_guards(fake_mode) -> bool:
     """True when compiling in ``fake_mode`` (a fresh one, see :func:`new_fake_mode`) made
     decisions that hold only for some values of its symbols (guards, or symbols replaced

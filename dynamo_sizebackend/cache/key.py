@@ -5,11 +5,16 @@ the middle layers of a transformer (same ops, same shapes, different weights, wh
 graph *inputs*) share one. The key hashes:
 
 - the versions of torch and of this package, the options that change code
-  (``SizeBackendOptions.code_key``) and Inductor's and AOTAutograd's global configs;
+  (``SizeBackendOptions.code_key``), and everything else Inductor's and AOTAutograd's own
+  caches key a compile on (``_torch.inductor.compile_environment_key``: torch's source
+  hash, Triton/CUDA/GPU, every Inductor config, the C++ thread count, default dtype,
+  matmul precision, deterministic algorithms, autocast, custom passes): Inductor's list,
+  so that a factor torch adds is keyed without a change here;
 - the piece's graph, written canonically: nodes by position instead of by name, so
   ``l_self_modules_layers_modules_3_..._weight_`` and ``..._4_...`` read the same;
 - each example input's kind, dtype, shape, stride, offset, device and requires_grad,
-  with symbols renamed by first appearance (``z0``, ``z1``...) and their value ranges,
+  with symbols renamed by first appearance (``z0``, ``z1``...), their value ranges and
+  hint overrides,
   and what the ShapeEnv assumes about them (its guards, written by input position):
   Inductor may rely on any of those facts, so an artifact fits only where they hold;
 - the runtime size (or ``"dynamic"``), grad mode, and the host (CPU ISA, GPU model):
@@ -35,7 +40,7 @@ from .._torch import fx, inductor, shape_env
 log = logging.getLogger(__name__)
 
 #: Bumped when the key's layout changes, so old entries stop matching.
-KEY_FORMAT = "sizebackend-piece-v1"
+KEY_FORMAT = "sizebackend-piece-v2"
 
 
 class Unkeyable(Exception):
@@ -129,7 +134,8 @@ class _InputWriter:
         for sym in sorted(expr.free_symbols, key=str):
             if sym not in self.names:
                 self.names[sym] = sympy.Symbol(f"z{len(self.names)}", integer=True)
-                self.ranges.append(f"{self.names[sym]}:{shape_env.symbol_range(value, sym)}")
+                self.ranges.append(f"{self.names[sym]}:{shape_env.symbol_range(value, sym)}"
+                                   f":hint={shape_env.symbol_hint_override(value, sym)}")
         return str(expr.xreplace(self.names))
 
     def one(self, value: Any) -> str:
@@ -167,11 +173,11 @@ def host_fingerprint(values: Sequence[Any]) -> str:
     return ";".join(parts)
 
 
-def _config() -> str:
-    text = inductor.compile_config_fingerprint()
-    if text is None:
-        raise Unkeyable("an Inductor setting (a custom pass without uuid()) has no stable text")
-    return text
+def _environment(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> str:
+    try:
+        return inductor.compile_environment_key(gm, list(example_inputs))
+    except Exception as e:  # where Inductor bypasses its own cache: no key, counted
+        raise Unkeyable(f"Inductor's cache key ({type(e).__name__}: {e})") from None
 
 
 def _guards(example_inputs: Sequence[Any]) -> str:
@@ -197,7 +203,7 @@ def piece_key(
             _torch.TORCH_VERSION,
             __version__,
             code_key,
-            _config(),
+            _environment(gm, example_inputs),
             "dynamic" if runtime_size is None else str(runtime_size),
             f"grad={torch.is_grad_enabled()}",
             host_fingerprint(example_inputs),

@@ -129,19 +129,22 @@ class ConcreteInputs:
         hint = int(expr.xreplace(hints))
         return shape_env.symint_from_expr(self.fake_mode, new, hint)
 
+    def _one(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return torch.empty_strided(
+                [self._int(s) for s in value.shape],
+                [self._int(s) for s in value.stride()],
+                dtype=value.dtype,
+                device=value.device,
+                requires_grad=value.requires_grad,
+            )
+        if isinstance(value, (tuple, list)):  # a tuple-returning op's result, passed whole
+            return type(value)(self._one(v) for v in value)
+        return self._int(value)
+
     def convert(self, values: Sequence[Any]) -> list[Any]:
-        out = []
+        """``values`` for this size; tuples and lists are converted item by item (a
+        symbolic fake left inside one would carry the general symbols into the size's
+        compile, and its guards could not be checked)."""
         with self.fake_mode:
-            for value in values:
-                if isinstance(value, torch.Tensor):
-                    t = torch.empty_strided(
-                        [self._int(s) for s in value.shape],
-                        [self._int(s) for s in value.stride()],
-                        dtype=value.dtype,
-                        device=value.device,
-                        requires_grad=value.requires_grad,
-                    )
-                    out.append(t)
-                else:
-                    out.append(self._int(value))
-        return out
+            return [self._one(value) for value in values]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -133,17 +134,31 @@ def _inline_constant_floats(
     return torch.fx.GraphModule(gm, graph), where
 
 
+def _getitem_source(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The node ``node`` indexes when it is ``operator.getitem(that, i)``."""
+    if node.op == "call_function" and node.target is operator.getitem and node.args:
+        source = node.args[0]
+        return source if isinstance(source, torch.fx.Node) else None
+    return None
+
+
 def split(gm: torch.fx.GraphModule, matcher: OpMatcher) -> SplitGraph:
     """Split ``gm`` (not mutated) at every node ``matcher`` accepts.
 
     Each split op gets a partition of its own; the nodes between two split ops form one
-    piece. A graph without split ops becomes a single piece.
+    piece. A graph without split ops becomes a single piece. A ``getitem`` of a split op's
+    result (``torch.split``, ``chunk``... return tuples) goes with the split op, so that
+    pieces take tensors, never the tuple.
     """
     partition_of: dict[torch.fx.Node, int] = {}
     reasons: dict[int, str] = {}
     current = 0
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
+            continue
+        source = _getitem_source(node)
+        if source is not None and partition_of.get(source) in reasons:
+            partition_of[node] = partition_of[source]  # also a getitem of such a getitem
             continue
         op = matcher.match(node)
         if op is not None:

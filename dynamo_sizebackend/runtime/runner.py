@@ -62,8 +62,11 @@ class Runner:
 
     ``by_size`` maps a listed size to its program once it is compiled; ``pending`` holds
     listed sizes still to compile (lazy mode), compiled on first sight by ``compile_size``
-    while the triggering call waits; calls of that size from other threads meanwhile run
-    ``general`` rather than queue behind it. Any other size runs ``general``.
+    while the triggering call waits. One size compiles at a time per runner (compiles are
+    serialized process-wide anyway, by Dynamo's compile lock): a call that finds a pending
+    size while another compile of this runner runs, of that size or of another, runs
+    ``general`` rather than queue behind it, and a pending size stays pending until a call
+    finds the runner free. Any other size runs ``general``.
     """
 
     def __init__(
@@ -85,7 +88,8 @@ class Runner:
         self._pending = pending or set()
         self._compile_size = compile_size
         self._pad = pad
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # pending and by_size changes (held briefly)
+        self._compiling = threading.Lock()  # held by the one lazy compile in flight
         self._error: BaseException | None = None
         self._guard_misses: set[int] = set()
         self.background: threading.Thread | None = None
@@ -100,10 +104,16 @@ class Runner:
         self._error = error
 
     def _compile_pending(self, size: int) -> Program:
-        with self._lock:
-            program = self._by_size.get(size)
-            if program is None and size in self._pending:
-                self._pending.discard(size)
+        # Never waits: a compile in flight (of this size or another) means general for now.
+        if not self._compiling.acquire(blocking=False):
+            return self._by_size.get(size) or self._general
+        try:
+            with self._lock:
+                program = self._by_size.get(size)
+                claimed = program is None and size in self._pending
+                if claimed:
+                    self._pending.discard(size)
+            if claimed:
                 try:
                     program = self._compile_size(size) if self._compile_size else None
                 except Exception as e:  # strict: raised here and on every later call
@@ -111,6 +121,8 @@ class Runner:
                     raise
                 if program is not None:
                     self._by_size[size] = program
+        finally:
+            self._compiling.release()
         return program or self._general
 
     def _retire(self, size: int, program: Program) -> Program:

@@ -92,6 +92,113 @@ def test_identical_layers_share_a_key_and_nothing_else_does(monkeypatch):
     assert piece_key(gm, inputs, size, "opts") != key
 
 
+def _threads(n):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _default_dtype(dtype):
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def _matmul_precision(precision):
+    # Then restored flag by flag: set_float32_matmul_precision("highest") writes "ieee"
+    # where the process started with "none", another state (and another key).
+    flags = [torch.backends, torch.backends.cuda.matmul, torch.backends.mkldnn.matmul]
+    before = torch.get_float32_matmul_precision(), [f.fp32_precision for f in flags]
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        for f, value in zip(flags, before[1]):
+            f.fp32_precision = value
+
+
+def _deterministic(warn_only):
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=warn_only)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def _private_inductor_config():
+    from torch._inductor import config
+
+    # A private entry (leading "_"), left out by save_config_portable()'s default.
+    with config.patch(_use_fp64_for_unbacked_floats=not config._use_fp64_for_unbacked_floats):
+        yield
+
+
+def _autocast():
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        yield
+
+
+# Each changes what Inductor generates or how the code runs (the thread count: a piece
+# compiled for 1 thread has no `#pragma omp`, one for 2 has them), and each is a factor
+# of Inductor's or AOTAutograd's own cache key.
+_FACTORS = {
+    "threads": lambda: _threads(1 if torch.get_num_threads() != 1 else 2),
+    "default_dtype": lambda: _default_dtype(torch.float64),
+    "matmul_high": lambda: _matmul_precision("high"),
+    "matmul_medium": lambda: _matmul_precision("medium"),
+    "deterministic": lambda: _deterministic(False),
+    "deterministic_warn_only": lambda: _deterministic(True),
+    "private_inductor_config": _private_inductor_config,
+    "autocast": _autocast,
+}
+
+
+@pytest.mark.parametrize("factor", list(_FACTORS))
+@torch.no_grad()
+def test_each_compile_environment_factor_changes_the_key(monkeypatch, factor):
+    """A setting Inductor's own cache keys on makes a miss (a recompile), never a hit
+    with code built for another setting."""
+    import contextlib
+
+    seen = _spy_pieces(monkeypatch)
+    compile_sb(MLP().eval(), compiler="eager")(torch.randn(3, 16))
+    [(size, gm, inputs)] = seen
+    key = piece_key(gm, inputs, size, "opts")
+    assert key is not None and piece_key(gm, inputs, size, "opts") == key
+    if factor == "matmul_medium":  # apart from "high" too, not only from the default
+        with contextlib.contextmanager(_FACTORS["matmul_high"])():
+            high = piece_key(gm, inputs, size, "opts")
+        with contextlib.contextmanager(_FACTORS[factor])():
+            assert piece_key(gm, inputs, size, "opts") not in (key, high)
+    with contextlib.contextmanager(_FACTORS[factor])():
+        changed = piece_key(gm, inputs, size, "opts")
+    assert changed is not None and changed != key
+    assert piece_key(gm, inputs, size, "opts") == key  # back as before: the same key
+
+
+@torch.no_grad()
+def test_a_setting_inductor_cannot_hash_gives_no_key(monkeypatch):
+    """A custom pass that is a plain function (no ``uuid()``): Inductor bypasses its own
+    cache, and the piece gets no key (compiled every time, never shared)."""
+    from torch._inductor import config
+
+    seen = _spy_pieces(monkeypatch)
+    compile_sb(MLP().eval(), compiler="eager")(torch.randn(3, 16))
+    [(size, gm, inputs)] = seen
+    assert piece_key(gm, inputs, size, "opts") is not None
+    with config.patch(post_grad_custom_post_pass=lambda graph: None):
+        assert piece_key(gm, inputs, size, "opts") is None
+
+
 # --- disk entries -----------------------------------------------------------------------
 
 

@@ -20,7 +20,13 @@ from ..spies import AdaptorSpy
 
 
 class Chatty(torch.nn.Module):
-    """A print and a data-dependent branch: Dynamo breaks the graph at both."""
+    """A print and a data-dependent branch: Dynamo breaks the graph at both.
+
+    The branch reads the *input's* mean, not block a's output: that ends in a LayerNorm
+    (weight 1, bias 0), so its mean is 0 up to float noise (+-1e-7, sign set by the CPU's
+    ISA level). The tests feed inputs shifted by +-10 (|mean| >= 9.9), so the data, not
+    rounding, picks the branch.
+    """
 
     def __init__(self):
         super().__init__()
@@ -28,11 +34,16 @@ class Chatty(torch.nn.Module):
         self.b = TinyTransformer(layers=1, seed=2)
 
     def forward(self, x):
-        x = self.a(x)
+        h = self.a(x)
         print("sizebackend test: between the blocks")
         if x.mean() > 0:
-            return self.b(x)
-        return -self.b(-x)
+            return self.b(h)
+        return -self.b(-h)
+
+
+def shifted(size: int, shift: float) -> torch.Tensor:
+    """``batch(size) + shift``; ``batch`` is randn with |mean| < 0.1 for the sizes used."""
+    return batch(size) + shift
 
 
 @torch.no_grad()
@@ -40,17 +51,19 @@ def test_graph_breaks_give_several_graphs_each_correct(monkeypatch, capsys):
     AdaptorSpy(monkeypatch)
     model = Chatty().eval()
     compiled = compile_sb(model, compile_sizes=[4], compiler="eager")
-    # Graph 1: block a (2 pieces). Graph 2: x.mean() > 0 (1 piece, no attention).
-    # Graph 3: one branch, block b (2 pieces). 5 pieces, each general + size 4.
+    up, down = shifted(4, 10.0), shifted(4, -10.0)
+    assert up.mean() > 9.9 and down.mean() < -9.9  # the branch is decided by the data
+    # Graph 1: block a (2 pieces: before and after its attention). Graph 2: x.mean() > 0
+    # (1 piece, no attention). Graph 3: the taken branch, block b (2 pieces). 5 pieces,
+    # each compiled general + size 4; a size-4 call runs 3 graphs.
     with sb.expect(graphs=3, pieces=5, compiles={"dynamic": 5, 4: 5}, calls={"4": 3}):
-        torch.testing.assert_close(compiled(batch(4)), model(batch(4)))
-    # The other branch is a fourth graph.
-    x = batch(4) - 10
+        torch.testing.assert_close(compiled(up), model(up))
+    # The other branch is a fourth graph (block b again: 2 pieces).
     with sb.expect(graphs=1, pieces=2, calls={"4": 3}):
-        torch.testing.assert_close(compiled(x), model(x))
+        torch.testing.assert_close(compiled(down), model(down))
     for size in (3, 4):
-        for sign in (1, -1):
-            x = sign * (batch(size) + 10)
+        for shift in (10.0, -10.0):
+            x = shifted(size, shift)
             torch.testing.assert_close(compiled(x), model(x))
     assert "between the blocks" in capsys.readouterr().out
 

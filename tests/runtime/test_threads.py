@@ -117,3 +117,40 @@ def test_calls_on_other_threads_survive_a_compile_outside_dynamo(monkeypatch, mo
 
     run_threads(3, call_while_compiling)
     assert sb.stats().compiles.get("4") == 2
+
+
+@torch.no_grad()
+def test_lazy_size_does_not_queue_behind_another_size_compiling(monkeypatch):
+    """While one thread compiles size 4, a first call of size 8 (pending too) runs the
+    general pieces at once; size 8 compiles on its first call after that."""
+    AdaptorSpy(monkeypatch)
+    started, release = threading.Event(), threading.Event()
+    checked = compiler.EagerAdaptor.compile
+
+    def compile(adaptor, gm, example_inputs, runtime_size, fake_mode=None):
+        if runtime_size == 4:
+            started.set()
+            release.wait(timeout=5)  # a queued size-8 call would hold this up 5 s
+        return checked(adaptor, gm, example_inputs, runtime_size, fake_mode)
+
+    monkeypatch.setattr(compiler.EagerAdaptor, "compile", compile)
+    model = TinyTransformer(layers=1).eval()  # 2 pieces
+    compiled = compile_sb(model, compile_sizes=[4, 8], compiler="eager", compile_mode="lazy")
+    compiled(batch(3))
+    want4, want8 = model(batch(4)), model(batch(8))
+    first = threading.Thread(target=lambda: run_threads(
+        1, lambda i: torch.testing.assert_close(compiled(batch(4)), want4)))
+    first.start()
+    assert started.wait(timeout=30)
+    try:
+        with sb.expect(compiles={}, calls={"dynamic": 1}):
+            torch.testing.assert_close(compiled(batch(8)), want8)
+        assert not release.is_set()  # size 4 still compiling: the call did not wait for it
+    finally:
+        release.set()
+        first.join(timeout=60)
+    assert sb.stats().compiles == {"dynamic": 2, "4": 2} and sb.stats().calls["4"] == 1
+    with sb.expect(compiles={8: 2}, calls={"8": 1}):  # still pending: compiled now
+        torch.testing.assert_close(compiled(batch(8)), want8)
+    with sb.expect(compiles={}, calls={"4": 1, "8": 1}):
+        compiled(batch(4)), compiled(batch(8))
