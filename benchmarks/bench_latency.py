@@ -48,10 +48,15 @@ def interleaved(calls: dict, iters: int) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
-def batch_dynamic(x: torch.Tensor) -> torch.Tensor:
-    """A copy of ``x`` whose batch dim (only) Dynamo treats as dynamic from the first call."""
+def batch_dynamic(x: torch.Tensor, unbacked: bool = False) -> torch.Tensor:
+    """A copy of ``x`` whose batch dim (only) Dynamo treats as dynamic from the first
+    call: backed (``mark_dynamic``; batch 1 gets a graph of its own) or unbacked
+    (``mark_unbacked``; one graph for every size, the README's recommendation)."""
     x = x.clone()
-    torch._dynamo.mark_dynamic(x, 0)
+    if unbacked:
+        torch._dynamo.decorators.mark_unbacked(x, 0)
+    else:
+        torch._dynamo.mark_dynamic(x, 0)
     return x
 
 
@@ -76,6 +81,7 @@ def main(argv=None) -> int:
     model = TinyTransformer(args.layers, args.dim, 4, mlp_ratio=4).eval()
     inputs = {n: torch.randn(n, args.seq, args.dim) for n in sizes}
     marked = {n: batch_dynamic(x) for n, x in inputs.items()}
+    unbacked = {n: batch_dynamic(x, unbacked=True) for n, x in inputs.items()}
     options = {"compile_sizes": listed, "cache_dir": None}
     # name -> (callable, its inputs by size). Two sizebackend setups: dynamic=True, as the
     # dynamic=True baseline traces (every dim symbolic), and the batch dim alone marked
@@ -86,6 +92,7 @@ def main(argv=None) -> int:
         "dynamic=False": (torch.compile(model, dynamic=False), inputs),
         "sizebackend": (torch.compile(model, backend="sizebackend", dynamic=True, options=options), inputs),
         "sb batch-dyn": (torch.compile(model, backend="sizebackend", options=dict(options)), marked),
+        "sb unbacked": (torch.compile(model, backend="sizebackend", options=dict(options)), unbacked),
     }
     results: dict[str, dict[int, float]] = {name: {} for name in variants}
     with torch.no_grad():
@@ -99,11 +106,11 @@ def main(argv=None) -> int:
             for name, t in interleaved(calls, args.iters).items():
                 results[name][n] = t
 
-    ours = ("sizebackend", "sb batch-dyn")
+    ours = ("sizebackend", "sb batch-dyn", "sb unbacked")
     print(f"\nper-call latency, {args.layers} layers, dim {args.dim}, seq {args.seq} "
-          "(us; ratios: sizebackend, then sb batch-dyn, over the baseline)")
+          "(us; ratios: sizebackend, sb batch-dyn, sb unbacked, over the baseline)")
     print(f"{'size':>4} {'listed':>6} " + " ".join(f"{k:>13}" for k in variants)
-          + f" {'sb/dyn':>13} {'sb/static':>13}")
+          + f" {'sb/dyn':>20} {'sb/static':>20}")
     rows = []
     for n in sizes:
         us = {k: results[k][n] * 1e6 for k in variants}
@@ -116,11 +123,11 @@ def main(argv=None) -> int:
         dyn = " ".join(f"{row[f'{o}/dynamic']:.3f}" for o in ours)
         sta = " ".join(f"{row[f'{o}/static']:.3f}" for o in ours)
         print(f"{n:>4} {'yes' if n in listed else 'no':>6} " + " ".join(f"{us[k]:>13.1f}" for k in variants)
-              + f" {dyn:>13} {sta:>13}")
+              + f" {dyn:>20} {sta:>20}")
     for o in ours:
         lst = [r[f"{o}/static"] for r in rows if r["listed"]]
         unl = [r[f"{o}/dynamic"] for r in rows if not r["listed"]]
-        print(f"\n{o}: listed sizes / dynamic=False  max {max(lst):.3f}  mean {statistics.mean(lst):.3f} (target <= 1.03)")
+        print(f"\n{o}: listed sizes / dynamic=False  max {max(lst):.3f}  mean {statistics.mean(lst):.3f} (target <= 0.95)")
         print(f"{o}: unlisted sizes / dynamic=True max {max(unl):.3f}  mean {statistics.mean(unl):.3f} (target <= 1.03)")
 
     overhead = runner_overhead()

@@ -37,9 +37,12 @@ DEFAULT_SPLITTING_OPS: tuple[str, ...] = (
 #:   small batches, cpp_wrapper never helped, max-autotune without freezing changes
 #:   nothing (the template never applies).
 #: - cuda: what vLLM compiles its single sizes with (max-autotune, coordinate descent).
+#: Both keep Inductor's autotune tables and stats off stderr.
 SIZED_DEFAULTS: dict[str, dict[str, Any]] = {
-    "cpu": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"},
-    "cuda": {"max_autotune": True, "coordinate_descent_tuning": True},
+    "cpu": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+            "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False},
+    "cuda": {"max_autotune": True, "coordinate_descent_tuning": True,
+             "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False},
 }
 
 #: vLLM's capture sizes: 1, 2, 4 and every multiple of 8 up to 256.

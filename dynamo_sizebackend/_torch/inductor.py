@@ -8,6 +8,8 @@ compile on (for the artifact cache key) has no public accessor.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 from typing import Any, Callable
 
 import torch
@@ -36,7 +38,7 @@ def standalone_compile(
     and the artifact cache would then serve it to every later process.
     """
     options = {"config_patches": dict(inductor_options)} if inductor_options else {}
-    with COMPILE_LOCK:
+    with COMPILE_LOCK, _quiet_when_frozen(inductor_options):
         if from_graph:
             return torch._inductor.standalone_compile(
                 gm, example_inputs, dynamic_shapes="from_graph", options=options
@@ -48,6 +50,28 @@ def standalone_compile(
             options=options,
             fake_mode=fake_mode,
         )
+
+
+class _DropUnsaveable(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "artifact generation failed" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_when_frozen(inductor_options: dict[str, Any]):
+    """A frozen graph is never saveable (the FX cache skips graphs with frozen constants),
+    so ``standalone_compile`` warns "artifact generation failed" for every one of them.
+    The backend knows, does not try to cache them, and counts them in
+    ``cache_skips["frozen"]``; that one warning is dropped while they compile."""
+    if not inductor_options.get("freezing"):
+        yield
+        return
+    logger, quiet = logging.getLogger("torch._inductor.standalone_compile"), _DropUnsaveable()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def inductor_option_problem(key: str, value: Any) -> str | None:
