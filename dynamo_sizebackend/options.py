@@ -142,7 +142,7 @@ class SizeBackendOptions:
     inductor_options: Mapping[str, Any] = field(default_factory=dict)
     """Inductor config patches applied to every piece compile (scoped, never global)."""
 
-    sized_inductor_options: Mapping[str, Any] | None = field(default_factory=lambda: _default_sized())
+    sized_inductor_options: Mapping[str, Any] | None = field(default_factory=_default_sized)
     """Inductor config patches for the pieces of a listed size only, applied on top of
     ``inductor_options`` (the general pieces never see them). ``None``: the measured
     default of the graph's device, :data:`SIZED_DEFAULTS` (on CPU constant weights and

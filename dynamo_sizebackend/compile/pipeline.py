@@ -23,7 +23,7 @@ from ..runtime import cudagraphs, padding
 from ..runtime.runner import Program, Runner, generated_forward
 from ..stats import COUNTERS
 from . import background, floats, freeze, guards
-from .adaptor import CompiledPiece, compile_piece, make_adaptor, size_key
+from .adaptor import CompiledPiece, CompilerAdaptor, compile_piece, make_adaptor, size_key
 from .batch import ConcreteInputs, find_batch
 from .failures import Fallbacks
 from .progress import CompileProgress
@@ -51,7 +51,7 @@ class GraphCompiler:
     def __init__(self, options: SizeBackendOptions, graph_id: int):
         self.options = options
         self.graph_id = graph_id
-        self.adaptor = make_adaptor(options)  # made again for the graph's device in __call__
+        self.adaptor: CompilerAdaptor | None = None  # per graph: its device picks the sized defaults
         self.cache = piece_cache_for(options)  # None for the eager adaptor
         self.progress = CompileProgress(f"sizebackend graph {graph_id}")
         self.fallbacks = Fallbacks(graph_id, options.strict)

@@ -48,6 +48,10 @@ class Program:
         for name, fn in pieces.items():
             setattr(self, name, fn)
 
+    def weights_changed(self) -> bool:
+        """Whether a weight frozen into these pieces changed since they were compiled."""
+        return self.frozen is not None and self.frozen.changed()
+
 
 def generated_forward(split_gm: torch.fx.GraphModule) -> Callable[..., Any]:
     """``forward(program, *args)`` of ``split_gm`` as a plain function."""
@@ -158,7 +162,7 @@ class Runner:
             program = self._by_size.get(size)
             if program is None:
                 program = self._compile_pending(size) if size in self._pending else self._general
-            elif program.frozen is not None and program.frozen.changed():
+            elif program.weights_changed():
                 program = self._retire(size, program)
             elif program.check is not None and not program.check(args):
                 program = self._guard_miss(size, program)
@@ -172,7 +176,7 @@ class Runner:
         """``pad_to_size``: run on the next larger listed size's pieces, slice back."""
         target = self._pad.target_for(size)
         program = self._by_size.get(target) if target is not None else None
-        if program is not None and program.frozen is not None and program.frozen.changed():
+        if program is not None and program.weights_changed():
             program = self._retire(target, program)
             program = None if program is self._general else program
         padded = self._pad.pad(args, size, target) if program is not None else None
