@@ -14,8 +14,7 @@ import torch.fx
 from .compile import background
 from .compile.failures import SizeCompileError
 from .compile.pipeline import GraphCompiler
-from .options import OptionError, parse_options
-from .runtime import cudagraphs
+from .options import check_options
 
 __all__ = ["sizebackend", "SizeCompileError"]
 
@@ -26,17 +25,7 @@ def sizebackend(
     gm: torch.fx.GraphModule, example_inputs: list[Any], options: Any = None, mode: Any = None
 ):
     """Dynamo backend entry point: ``torch.compile(m, backend="sizebackend", options=...)``."""
-    if mode not in (None, "default"):
-        raise OptionError(
-            f"sizebackend does not take torch.compile(mode=...); pass Inductor settings as "
-            f"options={{'inductor_options': {{...}}}} (got mode={mode!r})"
-        )
-    opts = parse_options(options)
-    if opts.cudagraphs and not cudagraphs.cuda_available():
-        raise OptionError(
-            "sizebackend option 'cudagraphs': CUDA graphs need a CUDA device and none is "
-            "available (got True)"
-        )
+    opts = check_options(options, mode=mode)
     return GraphCompiler(opts, next(_graph_counter))(gm, example_inputs)
 
 

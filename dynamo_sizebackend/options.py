@@ -218,6 +218,16 @@ class SizeBackendOptions:
         if self.sized_inductor_options is not None:
             set_("sized_inductor_options",
                  _inductor_patches("sized_inductor_options", self.sized_inductor_options))
+        if self.compiler == "eager":  # Inductor never runs: its patches would be dropped
+            if self.inductor_options:
+                raise _fail("inductor_options", self.inductor_options,
+                            "has no effect with compiler='eager' (pieces run uncompiled); "
+                            "drop it or use compiler='inductor'")
+            sized = self.sized_inductor_options
+            if sized and sized != _default_sized():  # a process default is never an error
+                raise _fail("sized_inductor_options", sized,
+                            "has no effect with compiler='eager' (pieces run uncompiled); "
+                            "drop it or use compiler='inductor'")
         for name in ("cudagraphs", "pad_to_size", "strict", "direct_calls"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "must be True or False")
@@ -279,3 +289,35 @@ def parse_options(options: Any) -> SizeBackendOptions:
                 f"sizebackend: unknown option {key!r}{hint} Valid options: {', '.join(OPTION_NAMES)}"
             )
     return SizeBackendOptions(**options)
+
+
+def check_options(options: Any = None, *, mode: Any = None) -> SizeBackendOptions:
+    """Everything the backend checks before its first compile, callable at startup.
+
+    :func:`parse_options` plus what depends on this process and on ``torch.compile``'s
+    own arguments: ``mode`` (``torch.compile(mode=...)``; the backend takes none, and
+    ``"reduce-overhead"`` is spelled ``options={"cudagraphs": True}`` here) and
+    ``cudagraphs=True`` without a CUDA device. The backend runs this same check on the
+    first graph, so a server that calls it before warming up fails at startup with the
+    error it would otherwise meet at the first call::
+
+        opts = sb.check_options({"compile_sizes": [1, 2, 4, 8]})
+        compiled = torch.compile(model, backend="sizebackend", options=opts)
+    """
+    if mode not in (None, "default"):
+        hint = (
+            "for CUDA graphs use options={'cudagraphs': True} (piecewise: attention runs "
+            "between the graphs)"
+            if mode == "reduce-overhead"
+            else "pass Inductor settings as options={'inductor_options': {...}}"
+        )
+        raise OptionError(
+            f"sizebackend does not take torch.compile(mode=...) (got mode={mode!r}); "
+            f"leave mode=None and {hint}"
+        )
+    opts = parse_options(options)
+    from .runtime import cudagraphs  # imports this module: loaded on use
+
+    if opts.cudagraphs and not cudagraphs.cuda_available():
+        raise _fail("cudagraphs", True, "CUDA graphs need a CUDA device and none is available")
+    return opts

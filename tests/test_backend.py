@@ -140,3 +140,34 @@ def test_background_mode_serves_at_once_and_swaps_in():
         torch.testing.assert_close(compiled(batch(4)), model(batch(4)))
         assert time.monotonic() < deadline, "background compile never finished"
     assert sb.stats().compiles == {"dynamic": 3, "2": 3, "4": 3}
+
+
+@torch.no_grad()
+def test_dynamic_false_warns_once_that_compile_sizes_are_unused(monkeypatch, recwarn):
+    from dynamo_sizebackend.compile import pipeline
+
+    monkeypatch.setattr(pipeline, "_warned_static", False)
+    model = TinyTransformer(layers=1).eval()
+    compiled = torch.compile(model, backend="sizebackend", dynamic=False,
+                             options={"compile_sizes": [2, 4], "compiler": "eager"})
+    # Every size is a static graph of its own, counted under its size: the same keys
+    # as listed sizes, but no listed size was compiled in a symbolic graph.
+    with sb.expect(graphs=3, calls={"2": 1, "3": 1, "4": 1}):
+        for size in (2, 3, 4):
+            torch.testing.assert_close(compiled(batch(size)), model(batch(size)))
+    unused = [w for w in recwarn if "compile_sizes [2, 4] are unused" in str(w.message)]
+    assert len(unused) == 1 and "dynamic=False" in str(unused[0].message)
+
+
+@torch.no_grad()
+def test_default_dynamic_does_not_warn_about_unused_sizes(monkeypatch, recwarn):
+    from dynamo_sizebackend.compile import pipeline
+
+    monkeypatch.setattr(pipeline, "_warned_static", False)
+    compiled = torch.compile(TinyTransformer(layers=1).eval(), backend="sizebackend",
+                             options={"compile_sizes": [2, 4], "compiler": "eager"})
+    # The first call is traced static, the second size brings the symbolic graph.
+    with sb.expect(graphs=2, calls={"3": 1, "4": 1}):
+        compiled(batch(3))
+        compiled(batch(4))
+    assert not [w for w in recwarn if "unused" in str(w.message)]

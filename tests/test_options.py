@@ -140,3 +140,56 @@ def test_malformed_options_fail_the_first_compile_with_a_value_error(options, ma
     with pytest.raises(ValueError, match=match) as info:
         compiled(torch.randn(3, 16))
     assert type(info.value).__module__ == "dynamo_sizebackend.options"
+
+
+def test_check_options_fails_at_startup_with_the_first_call_error():
+    opts = sb.check_options("{'compile_sizes': [4, 2], 'compiler': 'eager'}")
+    assert opts.compile_sizes == (2, 4)
+    with pytest.raises(ValueError, match=r"unknown option 'compile_size'"):
+        sb.check_options({"compile_size": [1]})
+    # The checked object goes to torch.compile as it is.
+    compiled = torch.compile(MLP(), backend="sizebackend", dynamic=True, options=opts)
+    with sb.expect(graphs=1, calls={"2": 1}):
+        compiled(torch.randn(2, 16))
+
+
+def test_check_options_refuses_cudagraphs_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match=r"'cudagraphs'.*CUDA device"):
+        sb.check_options({"cudagraphs": True})
+    assert not sb.parse_options({"cudagraphs": True}).compile_sizes  # no device check there
+
+
+@pytest.mark.parametrize(
+    "mode, match",
+    [
+        ("reduce-overhead", r"mode='reduce-overhead'.*options=\{'cudagraphs': True\}"),
+        ("max-autotune", r"mode='max-autotune'.*'inductor_options'"),
+    ],
+)
+def test_check_options_names_the_option_for_a_torch_compile_mode(mode, match):
+    with pytest.raises(ValueError, match=match):
+        sb.check_options({}, mode=mode)
+    assert sb.check_options({}, mode="default") == sb.SizeBackendOptions()
+
+
+def test_reduce_overhead_through_torch_compile_points_to_cudagraphs():
+    compiled = torch.compile(MLP(), backend="sizebackend", mode="reduce-overhead")
+    with pytest.raises(ValueError, match=r"cudagraphs"):
+        compiled(torch.randn(3, 16))
+
+
+@pytest.mark.parametrize("key", ["inductor_options", "sized_inductor_options"])
+def test_inductor_patches_with_the_eager_compiler_are_an_error(key):
+    with pytest.raises(ValueError, match=rf"'{key}'.*no effect with compiler='eager'"):
+        parse_options({"compiler": "eager", key: {"max_autotune": True}})
+    parse_options({"compiler": "eager", key: {}})  # empty: nothing dropped
+
+
+def test_process_default_of_sized_patches_is_no_error_with_eager(monkeypatch):
+    from dynamo_sizebackend import options as options_module
+
+    monkeypatch.setenv("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS", "{'max_autotune': True}")
+    opts = options_module.SizeBackendOptions(compiler="eager")
+    assert opts.sized_inductor_options == {"max_autotune": True}

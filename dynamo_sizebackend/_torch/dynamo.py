@@ -151,3 +151,11 @@ def compile_session():
     """
     with COMPILE_LOCK, torch.compiler._compile_session_context():
         yield
+
+
+def static_shapes_forced() -> bool:
+    """Whether Dynamo is tracing under ``torch.compile(dynamic=False)``: it patches
+    ``automatic_dynamic_shapes`` off (with ``assume_static_by_default``) for the frame,
+    so every batch size is traced as a static graph of its own and none is symbolic."""
+    config = torch._dynamo.config
+    return not config.automatic_dynamic_shapes and config.assume_static_by_default

@@ -10,6 +10,7 @@ The order matters in two places:
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 import torch
@@ -191,6 +192,8 @@ class GraphCompiler:
         COUNTERS.add("splits", len(sg.pieces) - len(sg.compiled_pieces))
         if static:
             log.info("sizebackend: graph %d has no symbolic batch size; compiled once", self.graph_id)
+            if self.options.compile_sizes and dynamo.static_shapes_forced():
+                _warn_sizes_unused(self.options.compile_sizes)
             return Runner(forward, general, {}, None, 0)
 
         symbol = batch.symbol
@@ -241,6 +244,26 @@ class GraphCompiler:
                 if 1 in wanted and lower == 2 and not shape_env.is_unbacked(symbol) else "",
             )
         return sizes
+
+
+_warned_static = False
+
+
+def _warn_sizes_unused(sizes: tuple[int, ...]) -> None:
+    """Once per process: under ``dynamic=False`` no graph has a symbolic batch, so
+    ``compile_sizes`` can never be used (each size is its own static graph)."""
+    global _warned_static
+    if _warned_static:
+        return
+    _warned_static = True
+    message = (
+        f"sizebackend: torch.compile(dynamic=False) traces every batch size as a static graph "
+        f"of its own, so compile_sizes {list(sizes)} are unused (and Dynamo recompiles per "
+        f"size up to its recompile_limit); leave dynamic=None and mark the batch dim with "
+        f"mark_unbacked(x, 0), or pass dynamic=True"
+    )
+    log.warning("%s", message)  # both channels: Dynamo may filter Python warnings
+    warnings.warn(message, stacklevel=2)
 
 
 def _device_type(example_inputs: list[Any]) -> str:

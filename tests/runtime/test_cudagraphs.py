@@ -113,7 +113,7 @@ def test_cudagraph_wiring_through_the_backend_on_a_simulator(monkeypatch, caplog
 
     from ..nets import TinyTransformer, batch, compile_sb
 
-    monkeypatch.setattr(backend.cudagraphs, "cuda_available", lambda: True)
+    monkeypatch.setattr(cudagraphs, "cuda_available", lambda: True)
     monkeypatch.setattr(backend.cudagraphs, "CudaGraphFactory", SimulatedGraphFactory)
     model = TinyTransformer(layers=2).eval()
     compiled = compile_sb(model, compile_sizes=[2, 3, 4], compiler="eager", cudagraphs=True,
@@ -192,7 +192,7 @@ def test_backend_replays_sizes_in_any_order_and_owns_no_capture_outputs(monkeypa
         factories.append(OwnerSpy())
         return factories[-1]
 
-    monkeypatch.setattr(backend.cudagraphs, "cuda_available", lambda: True)
+    monkeypatch.setattr(cudagraphs, "cuda_available", lambda: True)
     monkeypatch.setattr(backend.cudagraphs, "CudaGraphFactory", make_factory)
     model = TinyTransformer(layers=2).eval()
     compiled = compile_sb(model, compile_sizes=[2, 4, 8], compiler="eager", cudagraphs=True,
