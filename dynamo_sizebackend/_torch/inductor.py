@@ -9,6 +9,7 @@ compile on (for the artifact cache key) has no public accessor.
 from __future__ import annotations
 
 import contextlib
+import os
 import logging
 from typing import Any, Callable
 
@@ -144,3 +145,11 @@ def load_artifact(path: str) -> Callable[..., Any]:
     raises (``AssertionError``, ``RuntimeError``...) on any mismatch or damage."""
     with COMPILE_LOCK:  # loading fills the same class-level caches a compile records into
         return torch._inductor.CompiledArtifact.load(path=path, format="binary")
+
+
+def inductor_cache_dir() -> str:
+    """The folder Inductor's own caches use (``TORCHINDUCTOR_CACHE_DIR``, else its
+    per-user default under the temp folder), without creating it as Inductor does."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return os.path.abspath(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir())

@@ -52,10 +52,28 @@ TIE_TOLERANCE = 1e-3
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Prints an option's default once: not for options without one (``None``) or whose
+    help already says what happens without them."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or "without it" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+_EPILOG = """T is the number of tokens in one model call (one step of the schedule): one per
+decoding sequence plus the prompt tokens admitted that step. It is the batch
+dim Dynamo sees as symbolic and the size sizebackend specializes on; the
+benchmark prints how often each T occurs."""
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="sizebackend bench", description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="sizebackend bench",
+        description="Generation throughput of eager vs torch.compile vs sizebackend, "
+                    "in one run, on the built-in Llama-style model.",
+        epilog=_EPILOG, formatter_class=_Defaults,
     )
     p.add_argument("--model", default="small", choices=list(PRESETS), help="model preset")
     p.add_argument("--requests", type=int, default=64, help="number of requests")
@@ -67,9 +85,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="token budget of one step (decodes + admitted prompts)")
     p.add_argument("--compile-sizes", default=None,
-                   help="comma-separated sizes for sizebackend (default: the most frequent T)")
+                   help="comma-separated values of T to compile for; without it, the "
+                        "--num-compile-sizes most frequent T of the schedule")
     p.add_argument("--num-compile-sizes", type=int, default=4,
-                   help="without --compile-sizes: compile this many of the most frequent T")
+                   help="without --compile-sizes: compile for this many of the most frequent T")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated subset of {','.join(VARIANTS)}")
     p.add_argument("--compiler", default="inductor", choices=("inductor", "eager"),
@@ -77,7 +96,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=5,
                    help="timed runs per variant; the fastest counts")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads (see the module docstring for why 1)")
+                   help="torch intra-op threads: 1 because OpenMP workers that spin-wait for a "
+                        "busy core skew the ratios; more on a quiet machine")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the requests")
     p.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
     return p

@@ -3,7 +3,10 @@
 - ``sizebackend bench ...``: the throughput benchmark (``dynamo_sizebackend.bench``);
   every argument after ``bench`` is its own.
 - ``sizebackend cache info|clear [--dir DIR] [--json]``: what the on-disk artifact cache
-  holds (entries, bytes, by torch version), or empty it.
+  holds (entries, bytes, by torch version), or empty it. Text and JSON name the same
+  folders: ``cache_dir`` (the option's value) and ``folder`` (where its entries are).
+  ``clear`` leaves Inductor's own cache (``TORCHINDUCTOR_CACHE_DIR``) alone, and says so.
+- ``sizebackend --version``.
 """
 from __future__ import annotations
 
@@ -31,19 +34,26 @@ def _cache_dir(given: str | None) -> str | None:
 
 
 def _cache(args: argparse.Namespace) -> int:
+    from .._torch.inductor import inductor_cache_dir
     from ..cache.store import DiskCache
 
-    folder = _cache_dir(args.dir)
-    if folder is None:
+    root = _cache_dir(args.dir)
+    if root is None:
         print("the artifact cache is disabled (SIZEBACKEND_CACHE_DIR is 'none')")
         return 0
-    disk = DiskCache(folder)
+    disk = DiskCache(root)
+    # "dir" (= cache_dir) kept for scripts written against 0.1's JSON.
+    where = {"cache_dir": root, "folder": disk.folder, "dir": root}
     if args.action == "clear":
         removed, freed = disk.clear()
+        inductor = inductor_cache_dir()
         if args.json:
-            print(json.dumps({"dir": folder, "removed": removed, "bytes": freed}))
+            print(json.dumps({**where, "removed": removed, "bytes": freed,
+                              "inductor_cache_kept": inductor}))
         else:
             print(f"removed {removed} files ({_human(freed)}) from {disk.folder}")
+            print(f"Inductor's own cache is left alone: {inductor} (TORCHINDUCTOR_CACHE_DIR); "
+                  "delete it yourself to rebuild every kernel")
         return 0
 
     entries, unreadable = disk.entries()
@@ -53,10 +63,11 @@ def _cache(args: argparse.Namespace) -> int:
         by_torch[entry.torch]["bytes"] += entry.bytes
     total = sum(e.bytes for e in entries)
     if args.json:
-        print(json.dumps({"dir": folder, "entries": len(entries), "bytes": total,
+        print(json.dumps({**where, "entries": len(entries), "bytes": total,
                           "unreadable": unreadable, "by_torch_version": dict(by_torch)}))
         return 0
-    print(f"cache folder: {disk.folder}")
+    print(f"cache_dir: {root}")
+    print(f"folder: {disk.folder}")
     print(f"entries: {len(entries)} ({_human(total)})")
     if unreadable:
         print(f"unreadable entries: {unreadable} (recompiled and replaced when next needed)")
@@ -72,9 +83,18 @@ def _bench(bench_args: list[str]) -> int:
     return result if isinstance(result, int) else 0
 
 
+def _version() -> str:
+    import torch
+
+    from .. import __version__
+
+    return f"dynamo_sizebackend {__version__} (torch {torch.__version__})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sizebackend", description="dynamo_sizebackend: benchmark and artifact cache")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
 
     bench = sub.add_parser("bench", help="throughput benchmark on the built-in model",

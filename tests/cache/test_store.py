@@ -505,3 +505,37 @@ def test_float_attributes_become_constants_float_arguments_stay_symbolic(caplog)
     assert len(retraces) == 1 and "eps" in retraces[0] and "scale" not in retraces[0], retraces
     # One graph for three scales: the argument stayed a symbolic input, no recompiles.
     assert sb.stats().graphs == 1 and sb.stats().calls == {"2": 2, "dynamic": 1}
+
+
+def test_cli_text_and_json_name_the_same_folders(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    DiskCache(str(tmp_path)).write("a", b"x", torch="2.13.0", size="4", piece="p")
+    cli.main(["cache", "info", "--json", "--dir", str(tmp_path)])
+    info = json.loads(capsys.readouterr().out)
+    assert info["cache_dir"] == info["dir"] == str(tmp_path)
+    assert info["folder"] == DiskCache(str(tmp_path)).folder
+    cli.main(["cache", "info", "--dir", str(tmp_path)])
+    text = capsys.readouterr().out
+    assert f"cache_dir: {info['cache_dir']}\n" in text and f"folder: {info['folder']}\n" in text
+
+    cli.main(["cache", "clear", "--dir", str(tmp_path)])
+    text = capsys.readouterr().out
+    assert "removed 1 files" in text
+    assert f"Inductor's own cache is left alone: {tmp_path / 'inductor'}" in text
+    cli.main(["cache", "clear", "--json", "--dir", str(tmp_path)])
+    assert json.loads(capsys.readouterr().out)["inductor_cache_kept"] == str(tmp_path / "inductor")
+
+
+def test_cli_version_and_bench_help():
+    import dynamo_sizebackend
+
+    run = subprocess.run([sys.executable, "-m", "dynamo_sizebackend", "--version"],
+                         capture_output=True, text=True, cwd=REPO, check=True)
+    assert run.stdout.strip() == f"dynamo_sizebackend {dynamo_sizebackend.__version__} (torch {torch.__version__})"
+    run = subprocess.run([sys.executable, "-m", "dynamo_sizebackend", "bench", "--help"],
+                         capture_output=True, text=True, cwd=REPO, check=True)
+    help_text = " ".join(run.stdout.split())  # argparse wraps to the terminal width
+    assert "T is the number of tokens in one model call" in help_text
+    assert "(default: None)" not in help_text
+    assert "most frequent T of the schedule --num-compile-sizes" in help_text  # no 2nd default
+    assert "(default: 4)" in help_text  # --num-compile-sizes
