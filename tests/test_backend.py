@@ -171,3 +171,35 @@ def test_default_dynamic_does_not_warn_about_unused_sizes(monkeypatch, recwarn):
         compiled(batch(3))
         compiled(batch(4))
     assert not [w for w in recwarn if "unused" in str(w.message)]
+
+
+class _KeywordNet(torch.nn.Module):
+    """Called with keywords only, the batch not first in the signature."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, mask=None, bias=None, x=None):
+        return self.proj(x) + bias.sum(0)
+
+
+@torch.no_grad()
+def test_batch_dim_counts_passed_tensors_in_signature_order():
+    model, bias = _KeywordNet().eval(), torch.randn(3, 16)
+    compiled = compile_sb(model, compile_sizes=[4], compiler="eager", batch_dim=[1, 0])
+    # Keywords out of order, ``mask`` left out: inputs are (bias, x); index 1 is x.
+    with sb.expect(graphs=1, calls={"4": 1, "dynamic": 1}):
+        for rows in (4, 5):
+            x = torch.randn(rows, 16)
+            torch.testing.assert_close(compiled(x=x, bias=bias), model(x=x, bias=bias))
+
+
+@torch.no_grad()
+def test_without_batch_dim_a_keyword_model_may_dispatch_on_another_input():
+    model, bias = _KeywordNet().eval(), torch.randn(3, 16)
+    compiled = compile_sb(model, compile_sizes=[4], compiler="eager")
+    # The first tensor in signature order is ``bias`` (3 rows): every call is "size 3".
+    with sb.expect(graphs=1, calls={"dynamic": 2}):
+        for rows in (4, 4):
+            compiled(x=torch.randn(rows, 16), bias=bias)
