@@ -15,6 +15,7 @@ from .compile import background
 from .compile.failures import SizeCompileError
 from .compile.pipeline import GraphCompiler
 from .options import check_options
+from .runtime import recompile_limit
 
 __all__ = ["sizebackend", "SizeCompileError"]
 
@@ -26,12 +27,15 @@ def sizebackend(
 ):
     """Dynamo backend entry point: ``torch.compile(m, backend="sizebackend", options=...)``."""
     opts = check_options(options, mode=mode)
+    recompile_limit.WATCH.note_compiling_frame()
     return GraphCompiler(opts, next(_graph_counter))(gm, example_inputs)
 
 
 def _reset() -> None:
-    """Called by ``torch._dynamo.reset()``: stop background compiles of dropped graphs."""
+    """Called by ``torch._dynamo.reset()``: stop background compiles of dropped graphs
+    and forget the frames the recompile-limit watch knew."""
     background.cancel_all()
+    recompile_limit.WATCH.reset()
 
 
 sizebackend.reset = _reset  # type: ignore[attr-defined]

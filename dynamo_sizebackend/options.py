@@ -305,15 +305,12 @@ def check_options(options: Any = None, *, mode: Any = None) -> SizeBackendOption
         compiled = torch.compile(model, backend="sizebackend", options=opts)
     """
     if mode not in (None, "default"):
-        hint = (
-            "for CUDA graphs use options={'cudagraphs': True} (piecewise: attention runs "
-            "between the graphs)"
-            if mode == "reduce-overhead"
-            else "pass Inductor settings as options={'inductor_options': {...}}"
-        )
         raise OptionError(
-            f"sizebackend does not take torch.compile(mode=...) (got mode={mode!r}); "
-            f"leave mode=None and {hint}"
+            f"sizebackend does not take torch.compile(mode=...) (got mode={mode!r}); use "
+            f"mode=None (Hugging Face: CompileConfig(mode=None), its default is "
+            f"'reduce-overhead'), put Inductor settings in options={{'inductor_options': "
+            f"{{...}}}} and ask for CUDA graphs with options={{'cudagraphs': True}} "
+            f"(piecewise: attention runs between the graphs)"
         )
     opts = parse_options(options)
     from .runtime import cudagraphs  # imports this module: loaded on use

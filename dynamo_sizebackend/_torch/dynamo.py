@@ -1,13 +1,18 @@
 """Dynamo's private surface: placeholder metadata, exception types, the compile lock,
-float-specialization restarts and compile sessions (torch 2.13).
+float-specialization restarts, compile sessions and the recompile-limit event (torch 2.13).
 
 Why private: Dynamo records each placeholder's fake value and source only in
 ``node.meta`` (``example_value``, ``grapharg``); the restart that specializes a float and
-the compile-session flag have no public spelling.
+the compile-session flag have no public spelling, and Dynamo announces that it gave up
+on a frame only through its own logger (see :func:`on_recompile_limit`).
 """
 from __future__ import annotations
 
 import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import CodeType
 from typing import Any
 
 import torch
@@ -159,3 +164,104 @@ def static_shapes_forced() -> bool:
     so every batch size is traced as a static graph of its own and none is symbolic."""
     config = torch._dynamo.config
     return not config.automatic_dynamic_shapes and config.assume_static_by_default
+
+
+# --- Dynamo giving up on a frame -------------------------------------------------------
+
+#: The logger of ``torch/_dynamo/convert_frame.py`` and the start of the one warning
+#: ``_compile`` emits when ``exceeds_recompile_limit`` is true (torch 2.13, line ~1994):
+#: ``log.warning("torch._dynamo hit config.%s (%s)\n   function: %s\n   last reason:
+#: %s\n...", limit_type, getattr(config, limit_type), format_func_info(code),
+#: recompile_reason, troubleshooting_url)``.
+_CONVERT_FRAME_LOGGER = "torch._dynamo.convert_frame"
+_log = logging.getLogger(__name__)
+_LIMIT_WARNING = "torch._dynamo hit config."
+
+
+@dataclass(frozen=True)
+class RecompileLimitHit:
+    """Dynamo refused to compile a frame again: from now on the frame's code runs only
+    the graphs already in its cache, and every call that matches none runs eager."""
+
+    limit: str
+    """The config that was exceeded: ``"recompile_limit"`` (per code object) or
+    ``"accumulated_recompile_limit"``."""
+    value: Any
+    """That config's value when it was hit."""
+    function: str | None
+    """The frame's code as :func:`frame_label` spells it; ``None`` when the warning's
+    arguments did not have the expected shape (a torch version that words it otherwise)."""
+    reason: str | None
+    """Dynamo's last recompile reason (the guard that failed), when it gave one."""
+
+
+def frame_label(code: CodeType) -> str:
+    """A code object spelled the way Dynamo names it in the recompile-limit warning:
+    ``'forward' (/path/model.py:12)``."""
+    return f"'{code.co_name}' ({code.co_filename}:{code.co_firstlineno})"
+
+
+def traced_frame_label() -> str | None:
+    """The :func:`frame_label` of the frame Dynamo is compiling now (the root of the
+    trace: ``TracingContext.traced_code[0]``), or ``None`` outside a Dynamo compile."""
+    ctx = torch._guards.TracingContext.try_get()
+    codes = getattr(ctx, "traced_code", None) or []
+    return frame_label(codes[0]) if codes else None
+
+
+class _RecompileLimitFilter(logging.Filter):
+    """Sees every record of Dynamo's ``convert_frame`` logger, reports the recompile-limit
+    warning to a callback and lets every record through unchanged."""
+
+    def __init__(self, callback: Callable[[RecompileLimitHit], None]):
+        super().__init__()
+        self.callback = callback
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith(_LIMIT_WARNING):
+            args = record.args if isinstance(record.args, tuple) else ()
+            # Both limits end in "recompile_limit"; an unexpected argument counts as that.
+            limit = args[0] if args and str(args[0]).endswith("recompile_limit") else None
+            limit = str(limit or "recompile_limit")
+            function = args[2] if len(args) > 2 and isinstance(args[2], str) else None
+            reason = args[3] if len(args) > 3 and isinstance(args[3], str) else None
+            hit = RecompileLimitHit(limit, args[1] if len(args) > 1 else None, function, reason)
+            try:
+                self.callback(hit)
+            except Exception:  # noqa: BLE001  (see below)
+                # Raised here, it would surface inside Dynamo's frame conversion (a
+                # warnings filter set to "error" does that) instead of at the caller.
+                _log.exception("sizebackend: handling %s failed", hit)
+        return True
+
+
+def on_recompile_limit(callback: Callable[[RecompileLimitHit], None]) -> None:
+    """Call ``callback`` each time Dynamo stops compiling a frame because it hit
+    ``config.recompile_limit`` or ``config.accumulated_recompile_limit``. Idempotent:
+    a second call with the same callback installs nothing.
+
+    Why a log filter: torch 2.13 has no hook for this event. In ``convert_frame._compile``
+    the check ``exceeds_recompile_limit(cache_size, compile_id)`` runs *before*
+    ``compile_inner`` installs the ``torch._dynamo.callback`` handlers, so
+    ``on_compile_start``/``on_compile_end`` never see it; what follows is an
+    ``Unsupported`` ("Dynamo recompile limit exceeded") that only bumps
+    ``torch._dynamo.utils.counters["unimplemented"]`` and sets the frame's strategy to
+    ``RUN_ONLY``. Those counters could be polled, but only when someone asks (no call of
+    ours happens after the hit: Dynamo stops calling the backend for that code and the
+    eager calls bypass our runner), ``torch._dynamo.reset()`` clears them and their key
+    names no function. The ``log.warning`` just before is emitted at the moment of the
+    hit, once per code object (``RUN_ONLY`` keeps Dynamo from trying that code again), and
+    its arguments name the limit and the function. A ``logging.Filter`` on that logger
+    (not a handler: ``torch._logging`` replaces the handlers of ``torch._dynamo``, never
+    the filters of its child loggers) sees the record before any handler formats it.
+
+    Limitation: a logger silenced below WARNING (``TORCH_LOGS="-dynamo"``,
+    ``torch._logging.set_logs(dynamo=logging.ERROR)``) creates no record, so the hit goes
+    unseen. The callback runs inside Dynamo's frame conversion: what it raises is logged,
+    not propagated.
+    """
+    logger = logging.getLogger(_CONVERT_FRAME_LOGGER)
+    for existing in logger.filters:
+        if isinstance(existing, _RecompileLimitFilter) and existing.callback == callback:
+            return
+    logger.addFilter(_RecompileLimitFilter(callback))
