@@ -238,7 +238,8 @@ class _RecompileLimitFilter(logging.Filter):
 def on_recompile_limit(callback: Callable[[RecompileLimitHit], None]) -> None:
     """Call ``callback`` each time Dynamo stops compiling a frame because it hit
     ``config.recompile_limit`` or ``config.accumulated_recompile_limit``. Idempotent:
-    a second call with the same callback installs nothing.
+    a second call with the same callback installs nothing (the backend calls this while
+    Dynamo holds :data:`COMPILE_LOCK`, so two calls never race to install it twice).
 
     Why a log filter: torch 2.13 has no hook for this event. In ``convert_frame._compile``
     the check ``exceeds_recompile_limit(cache_size, compile_id)`` runs *before*
