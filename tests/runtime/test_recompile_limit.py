@@ -6,7 +6,6 @@ per call (each one a guard failure, so a recompile).
 """
 import warnings
 
-import pytest
 import torch
 
 import dynamo_sizebackend as sb
