@@ -159,12 +159,15 @@ class SizeBackendOptions:
     """Capture CUDA graphs per piece and size (GPU only)."""
 
     cudagraph_sizes: tuple[int, ...] = DEFAULT_CUDAGRAPH_SIZES
-    """Sizes to capture. With cudagraphs on, compile sizes not listed here are dropped
-    with a warning (the seed's rule); such a batch then runs the general pieces,
-    uncaptured, or is padded up to a capture size with ``pad_to_size``."""
+    """Sizes to capture, among the compile sizes (and the size a static graph was traced
+    at, e.g. 1 under 0/1 specialization). A compile size not listed here is still
+    compiled and runs at its own size, uncaptured (the seed dropped it); sizes listed
+    here only are not compiled, so never captured."""
 
     cudagraph_warmups: int = 1
-    """Eager runs of a piece at a size before it is captured."""
+    """Plain runs of a piece per size and input signature before it is captured (>= 1:
+    the first run of a shape may allocate, autotune or initialize libraries, none of
+    which a capture may do)."""
 
     pad_to_size: bool = False
     """Pad a batch up to the next listed size and slice outputs back. Only valid for
@@ -231,8 +234,15 @@ class SizeBackendOptions:
         for name in ("cudagraphs", "pad_to_size", "strict", "direct_calls"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "must be True or False")
-        if not _is_int(self.cudagraph_warmups) or self.cudagraph_warmups < 0:
-            raise _fail("cudagraph_warmups", self.cudagraph_warmups, "must be an int >= 0")
+        if not _is_int(self.cudagraph_warmups) or self.cudagraph_warmups < 1:
+            raise _fail("cudagraph_warmups", self.cudagraph_warmups, "must be an int >= 1")
+        if self.cudagraphs and self.compile_mode == "background":
+            raise _fail(
+                "compile_mode", self.compile_mode,
+                "'background' cannot be combined with cudagraphs=True: a compile on another "
+                "thread while a graph is captured has never been checked on a GPU; use "
+                "'eager' or 'lazy'",
+            )
         for name in ("cache_dir", "debug_dir"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (str, os.PathLike)) or not str(value)):

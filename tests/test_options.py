@@ -54,6 +54,10 @@ def test_seed_string_with_expanded_sequence():
         ({"inductor_options": [1]}, r"'inductor_options'"),
         ({"cache_dir": 5}, r"'cache_dir'.*got 5"),
         ({"cudagraph_warmups": -1}, r"'cudagraph_warmups'.*got -1"),
+        # A capture must follow at least one plain run of the shape (issue 12).
+        ({"cudagraph_warmups": 0}, r"'cudagraph_warmups'.*>= 1.*got 0"),
+        ({"cudagraphs": True, "compile_mode": "background"},
+         r"'compile_mode'.*'background'.*cudagraphs=True"),
         ([1, 2], r"must be a dict.*list"),
         (7, r"must be a dict.*int"),
         ("compile_sizes=[1]", r"not a Python dict literal"),

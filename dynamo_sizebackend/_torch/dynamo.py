@@ -53,6 +53,25 @@ def is_user_input(node: torch.fx.Node) -> bool:
     return True
 
 
+def is_parameter_or_buffer(node: torch.fx.Node) -> bool:
+    """True only when the placeholder is an ``nn.Parameter`` or a registered buffer of an
+    ``nn.Module``: its source goes through a module's ``_parameters`` or ``_buffers``
+    (Dynamo's ``UnspecializedParamBufferSource`` when it inlines modules, torch 2.13).
+
+    Narrower than ``not is_user_input(node)`` on purpose: a plain tensor attribute
+    (``self.cache = t``, ``state.acc`` of an argument) is not a user input either, but
+    the caller owns it and may replace it between calls; CUDA-graph capture must not
+    treat it as a fixed address (see ``runtime/cudagraphs.py``)."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    while source is not None:
+        if "ParamBuffer" in type(source).__name__:
+            return True
+        if getattr(source, "member", None) in ("_parameters", "_buffers"):
+            return True
+        source = getattr(source, "base", None)
+    return False
+
+
 def argument_order_key(node: torch.fx.Node) -> tuple[int, ...]:
     """Sort key placing a user-input placeholder at its position in the traced function's
     signature. Dynamo orders placeholders by first use, not by argument order, so this

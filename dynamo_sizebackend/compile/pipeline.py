@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from .. import _torch
 from .._torch import direct_call, dynamo, shape_env
 from ..cache.store import FirstOutput, returns_one_value
 from ..cache.store import for_options as piece_cache_for
@@ -34,15 +35,24 @@ log = logging.getLogger(__name__)
 
 
 class _Recorder(torch.fx.Interpreter):
-    """Runs the split graph on Dynamo's fake inputs and records each piece's inputs."""
+    """Runs the split graph on Dynamo's fake inputs and records each piece's inputs, and
+    which of them the piece writes in place: those whose version counter the fake run
+    bumped (a write through a view of an input counts too, the view shares the counter)."""
 
     def __init__(self, gm: torch.fx.GraphModule):
         super().__init__(gm)
         self.inputs: dict[str, tuple[Any, ...]] = {}
+        self.mutated: dict[str, frozenset[int]] = {}
 
     def call_module(self, target, args, kwargs):
         self.inputs[target] = args
-        return super().call_module(target, args, kwargs)
+        before = [_torch.tensor_version(a) if isinstance(a, torch.Tensor) else None for a in args]
+        out = super().call_module(target, args, kwargs)
+        self.mutated[target] = frozenset(
+            i for i, (a, v) in enumerate(zip(args, before))
+            if v is not None and _torch.tensor_version(a) != v
+        )
+        return out
 
 
 class GraphCompiler:
@@ -57,6 +67,7 @@ class GraphCompiler:
         self.progress = CompileProgress(f"sizebackend graph {graph_id}")
         self.fallbacks = Fallbacks(graph_id, options.strict)
         self._factory = None
+        self._mutated: dict[str, frozenset[int]] = {}  # per piece, inputs it writes in place
         self._freezable: dict[str, torch.Tensor] = {}  # see compile/freeze.py
 
     def _compile(self, name: str, gm, inputs, size, key, fake_mode=None, keep=None) -> CompiledPiece:
@@ -151,16 +162,22 @@ class GraphCompiler:
                 "sizebackend: graph %d: size %d pieces assume %s; calls that break it run "
                 "the general pieces", self.graph_id, size, check[0],
             )
-        if self.options.cudagraphs:
-            if self._factory is None:  # one capture memory pool per Dynamo graph
-                self._factory = cudagraphs.CudaGraphFactory()
-            split_ops = {p.name for p in sg.pieces if p.is_split_op}
-            pieces = cudagraphs.capture_pieces(
-                sg.gm, split_ops, pieces, size, self._factory, self.options.cudagraph_warmups
-            )
+        captured = cudagraphs.captures_size(self.options, size)
+        if captured:
+            pieces = self._captured(sg, pieces, size)
         return Program(
-            key, pieces, check=check and check[1], clone_outputs=self.options.cudagraphs,
+            key, pieces, check=check and check[1], clone_outputs=captured,
             frozen=freeze.FrozenWeights(frozen_tensors) if frozen_tensors else None,
+        )
+
+    def _captured(self, sg: SplitGraph, pieces: dict[str, CompiledPiece], size: int) -> dict:
+        """``pieces`` wrapped for CUDA-graph capture at ``size``."""
+        if self._factory is None:  # one capture memory pool per Dynamo graph
+            self._factory = cudagraphs.CudaGraphFactory()
+        split_ops = {p.name for p in sg.pieces if p.is_split_op}
+        return cudagraphs.capture_pieces(
+            sg.gm, split_ops, pieces, size, self._factory, self.options.cudagraph_warmups,
+            mutated=self._mutated,
         )
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Runner:
@@ -177,6 +194,7 @@ class GraphCompiler:
         recorder = _Recorder(sg.gm)
         with fake_mode:
             recorder.run(*fakes)
+        self._mutated = recorder.mutated
 
         forward = generated_forward(sg.gm)
         static = batch is None or batch.symbol is None
@@ -194,6 +212,9 @@ class GraphCompiler:
             log.info("sizebackend: graph %d has no symbolic batch size; compiled once", self.graph_id)
             if self.options.compile_sizes and dynamo.static_shapes_forced():
                 _warn_sizes_unused(self.options.compile_sizes)
+            size = batch.static_size if batch is not None else None
+            if cudagraphs.captures_size(self.options, size):  # e.g. size 1, 0/1-specialized
+                general = Program(key, self._captured(sg, general.pieces, size), clone_outputs=True)
             return Runner(forward, general, {}, None, 0)
 
         symbol = batch.symbol

@@ -1,16 +1,41 @@
-"""Piecewise CUDA graphs: capture each compiled piece once per size, replay it after.
+"""Piecewise CUDA graphs: capture each compiled piece per size and input signature,
+replay it after.
 
-Attention (the split ops) is never captured: it runs eagerly between the graphs, which
-is what lets one capture per size serve every sequence length mix of a serving batch.
+Attention (the split ops) is never captured: it runs eagerly between the graphs.
+
+What a capture is keyed by. A graph replays exactly the kernels it recorded, with the
+shapes, strides and Python scalars of its capture baked in. A piece of a size may still
+see other shapes (a symbolic sequence length) and other int arguments, so each piece
+keys its captures by the *signature* of its arguments: for every tensor its shape,
+stride, dtype and device (and, for a parameter or buffer, its address), for everything
+else its type and value. A new signature gets its own warm-up runs and capture, up to
+:data:`MAX_CAPTURES` per piece and size; past that it runs uncaptured. Why not refuse
+pieces with symbols other than the batch: in serving, sequence lengths change every
+call, and keying keeps a bounded set of hot shapes on graphs instead of none.
+
+What is never captured (the piece runs as compiled, counted once per piece in
+``fallbacks[<key>]`` and logged once per size):
+- ``cudagraph_input_mutation``: a piece that writes one of its inputs in place, other
+  than a parameter or buffer. A replay reads and writes the piece's own copy of such an
+  input, so the write would never reach the caller's tensor (or a later piece's);
+- ``cudagraph_grad_mode``: a call with grad mode on and an input that requires grad. A
+  replay returns detached buffers: no autograd history;
+- ``cudagraph_device``: a call with a tensor on another device than the graphs' (a CPU
+  tensor's value would be baked into the graph as a kernel argument);
+- ``cudagraph_signature``: an argument with no hashable value to key by;
+- ``cudagraph_captures``: a signature past the :data:`MAX_CAPTURES` of the piece;
+- ``cudagraph_capture_failed``: the capture raised (a synchronizing op, say).
 
 Memory and addresses, the hazards this module exists for:
 - every capture of one graph shares one memory pool, so the pieces of a size reuse the
   same blocks instead of each reserving its own;
-- a replay reads its inputs from the addresses seen at capture. An input that arrives at
-  another address (a user tensor, an attention output: fresh allocations each call) is
-  copied into the piece's own static buffer first. An input that is the output of an
-  earlier captured piece of the same size lives at a fixed pool address and is not
-  copied;
+- a replay reads its inputs from the addresses seen at capture. A user tensor or an
+  attention output arrives at a fresh address each call: it is copied into the capture's
+  own static buffer (a clone made at capture, never a tensor the caller owns). An output
+  of an earlier captured piece of the same size lives at a fixed pool address and is
+  not copied. Only real parameters and registered buffers are read in place; their
+  address is part of the signature, so a replaced weight (``.data = ...``) gets a new
+  capture instead of a replay that reads freed memory;
 - a replay writes its outputs into the same buffers every time, so the runner clones the
   graph's final outputs before handing them to the caller.
 
@@ -24,25 +49,32 @@ grow with pieces x sizes:
   them while its graphs live), and later captures, of other sizes, may reuse them;
 - a replay call runs the pieces of one size in capture order, every piece rewriting its
   blocks before a later piece reads them, so what a weak reference shows is always the
-  current call's value; the blocks the pieces of a size share follow the same liveness
-  as in the capture call. Nothing in the pool outlives a call: the runner clones the
+  current call's value. Nothing in the pool outlives a call: the runner clones the
   final outputs, static input buffers are cloned outside the pool, and attention runs
   eagerly between the pieces, allocating outside the pool;
-- hence replays of different sizes of one graph may overwrite each other's outputs:
-  fine one call after another (A, B, A), wrong if two calls run at once.
+- hence replays of different sizes (or signatures) of one graph may overwrite each
+  other's outputs: fine one call after another, wrong if two calls run at once. The
+  runner therefore serializes the calls of its captured programs (one lock per runner,
+  see ``runtime/runner.py``).
 Without ``weak_ref`` in the loaded extension (a stale build) pieces keep owning
 references: correct, memory grows as before; counted in ``fallbacks["weak_ref"]``.
 
-Capture and replay go through a small ``GraphFactory`` so that the planning logic is
-tested on CPU with a simulator that has the same buffer semantics as a CUDA graph. The
-simulator cannot show address reuse across captures: its graphs own their outputs.
+Captures and other threads: a capture records every CUDA call of the process unless it
+runs in thread-local mode, so captures use ``capture_error_mode="thread_local"`` and run
+under Dynamo's compile lock, taken without waiting: while another thread compiles (a
+Dynamo compile, a lazy size), the call runs uncaptured and the capture waits for a later
+call. ``compile_mode="background"`` with cudagraphs is refused by the options: it has
+not run on a GPU yet.
+
+Capture and replay go through a small ``GraphFactory`` (:mod:`.graph_factory`) so that
+the planning logic is tested on CPU with a simulator that has the same buffer semantics
+as a CUDA graph.
 """
 from __future__ import annotations
 
 import functools
 import logging
-import warnings
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
@@ -51,8 +83,14 @@ from .. import ops
 from .._torch import dynamo
 from ..options import SizeBackendOptions
 from ..stats import COUNTERS
+from .graph_factory import CudaGraphFactory, GraphFactory, SimulatedGraphFactory  # noqa: F401
+from .graph_factory import tensors_of as _tensors
 
 log = logging.getLogger(__name__)
+
+#: Captures one piece keeps per size, one per input signature. Each holds a copy of the
+#: piece's user inputs and a graph; a ninth shape runs uncaptured.
+MAX_CAPTURES = 8
 
 
 def cuda_available() -> bool:
@@ -61,73 +99,35 @@ def cuda_available() -> bool:
 
 
 def effective_compile_sizes(options: SizeBackendOptions) -> tuple[int, ...]:
-    """The seed's rule: with cudagraphs on, a compile size that is not a capture size is
-    dropped, with one warning. (In vLLM a batch is always padded up to a capture size,
-    so it never runs at its own; here it runs on the general pieces, uncaptured, unless
-    ``pad_to_size`` pads it.)"""
+    """The sizes to compile: every listed compile size, with or without cudagraphs.
+
+    With cudagraphs on, a compile size that is not a capture size is *kept*: compiled
+    and run at its own size, uncaptured (logged once). It is not padded up to a capture
+    size: padding is only valid for models whose batch rows are independent, which is
+    what ``pad_to_size`` asks the user to promise. (The seed dropped such sizes, so they
+    ran on the general pieces, uncaptured and unspecialized: strictly worse.)"""
     sizes = options.compile_sizes
-    if not options.cudagraphs:
-        return sizes
-    capture = set(options.cudagraph_sizes)
-    kept = tuple(n for n in sizes if n in capture)
-    dropped = [n for n in sizes if n not in capture]
-    if dropped:
-        message = (
-            f"sizebackend: compile_sizes {dropped} are not in cudagraph_sizes and are dropped "
-            f"(with cudagraphs on they would never run at their own size); compiling {list(kept)}"
+    uncaptured = uncaptured_sizes(options)
+    if uncaptured:
+        log.info(
+            "sizebackend: compile_sizes %s are not in cudagraph_sizes: compiled and run at "
+            "their own size, without CUDA graphs", list(uncaptured),
         )
-        # Both channels: Dynamo may run the backend with Python warnings filtered.
-        log.warning("%s", message)
-        warnings.warn(message, stacklevel=2)
-    return kept
+    return sizes
 
 
-class CapturedGraph(Protocol):
-    def replay(self) -> None: ...
+def uncaptured_sizes(options: SizeBackendOptions) -> tuple[int, ...]:
+    """Compile sizes that are compiled but never captured (see above)."""
+    if not options.cudagraphs:
+        return ()
+    capture = set(options.cudagraph_sizes)
+    return tuple(n for n in options.compile_sizes if n not in capture)
 
 
-class GraphFactory(Protocol):
-    def capture(self, fn: Callable[[], Any]) -> tuple[CapturedGraph, Any]:
-        """Capture ``fn()`` and return the graph and the outputs it writes on replay,
-        already holding ``fn()``'s results (the caller of the capturing call uses them)."""
-        ...
-
-
-class CudaGraphFactory:
-    """Real CUDA graphs, all captures of one compiled graph in one memory pool."""
-
-    def __init__(self) -> None:
-        self.pool = torch.cuda.graph_pool_handle()
-
-    def capture(self, fn):
-        graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = fn()
-        # Capture records the kernels without running them: the outputs hold nothing yet.
-        graph.replay()
-        return graph, outputs
-
-
-class SimulatedGraphFactory:
-    """CPU stand-in with a CUDA graph's buffer semantics: replay recomputes from the
-    captured input tensors and writes into the captured output tensors in place.
-
-    A simulated graph owns its outputs, standing in for the pool that keeps a real
-    graph's output blocks reserved: the pieces hold only weak references to them."""
-
-    class _Graph:
-        def __init__(self, fn, outputs):
-            self.fn, self.outputs = fn, outputs  # owned here, as a pool's blocks are
-
-        def replay(self) -> None:
-            fresh = self.fn()
-            for old, new in zip(_tensors(self.outputs), _tensors(fresh)):
-                old.copy_(new)
-
-    def capture(self, fn):
-        outputs = fn()
-        return self._Graph(fn, outputs), outputs
+def captures_size(options: SizeBackendOptions, size: int | None) -> bool:
+    """Whether the pieces of ``size`` (a listed size, or the one size a static graph was
+    traced at) are captured."""
+    return options.cudagraphs and size is not None and size in options.cudagraph_sizes
 
 
 def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], values: Any) -> Any:
@@ -161,35 +161,66 @@ def _weak(values: Any) -> Any:
     return _map_tensors(lambda t: ops.weak_ref(t.detach()), values)
 
 
-def _tensors(values: Any) -> list[torch.Tensor]:
-    if isinstance(values, torch.Tensor):
-        return [values]
-    if isinstance(values, (list, tuple)):
-        return [v for v in values if isinstance(v, torch.Tensor)]
-    return []
-
-
 class StablePointers:
-    """Addresses of the outputs captured pieces of one size write to: inputs found here
-    need no copy on replay."""
+    """State the captured pieces of one size share: the addresses their outputs live at
+    (inputs found there need no copy on replay) and the fallbacks already logged."""
 
     def __init__(self) -> None:
         self.ptrs: set[int] = set()
+        self.logged: set[str] = set()
 
 
 def plan_copies(
-    captured: Sequence[Any], args: Sequence[Any]
+    captured: Sequence[Any], args: Sequence[Any], static: frozenset[int] = frozenset()
 ) -> list[int]:
-    """Indices of tensor ``args`` whose address differs from the captured buffer."""
+    """Indices of tensor ``args`` whose address differs from the captured buffer. A
+    static input (parameter, buffer) is never among them: it is read in place, and its
+    address is part of the capture's signature."""
     return [
         i
         for i, (buf, arg) in enumerate(zip(captured, args))
-        if isinstance(buf, torch.Tensor) and buf.data_ptr() != arg.data_ptr()
+        if isinstance(buf, torch.Tensor) and i not in static and buf.data_ptr() != arg.data_ptr()
     ]
 
 
+_SCALARS = (int, float, bool, str, type(None))
+
+
+def signature(args: Sequence[Any], static: frozenset[int] = frozenset()) -> tuple | None:
+    """What a capture of a piece called with ``args`` bakes in; ``None`` when an argument
+    cannot be keyed (unhashable)."""
+    parts: list[Any] = []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            ptr = a.data_ptr() if i in static else None
+            parts.append((a.shape, a.stride(), a.dtype, a.device, ptr))
+        elif isinstance(a, _SCALARS):
+            parts.append((type(a), a))  # 1, 1.0 and True hash alike
+        else:
+            try:
+                hash(a)
+            except TypeError:
+                return None
+            parts.append((type(a), a))
+    return tuple(parts)
+
+
+class _Capture:
+    """One recorded graph of a piece: its input buffers and the outputs it rewrites."""
+
+    __slots__ = ("graph", "buffers", "outputs")
+
+    def __init__(self, graph: Any, buffers: list[Any], outputs: Any):
+        self.graph, self.buffers, self.outputs = graph, buffers, outputs
+
+
 class CudaGraphPiece:
-    """One compiled piece at one size: ``warmups`` plain runs, one capture, then replays."""
+    """One compiled piece at one size: per input signature ``warmups`` plain runs, one
+    capture, then replays. Not thread-safe on its own: the runner serializes calls.
+
+    ``prepares``: this piece starts a batch of captures (the first captured piece of its
+    size), so its captures do the once-per-batch synchronize, ``gc`` and
+    ``empty_cache``; the later pieces of the size skip them."""
 
     def __init__(
         self,
@@ -199,19 +230,106 @@ class CudaGraphPiece:
         stable: StablePointers,
         warmups: int,
         static_inputs: frozenset[int] = frozenset(),
+        prepares: bool = True,
+        capture_lock: Any = None,
     ):
         self.fn = fn
         self.size = size
         self.factory = factory
         self.stable = stable
-        self.warmups_left = warmups
-        self.static_inputs = static_inputs  # parameters: never copied, never change
-        self.graph: CapturedGraph | None = None
-        self.buffers: list[Any] = []
-        self.outputs: Any = None
+        self.warmups = warmups
+        self.static_inputs = static_inputs  # parameters and buffers: read in place
+        self.prepares = prepares
+        self.capture_lock = capture_lock if capture_lock is not None else dynamo.COMPILE_LOCK
+        self.captures: dict[tuple, _Capture] = {}
+        self._warmups_left: dict[tuple, int] = {}
+        self._refused: dict[Any, str] = {}  # signature -> fallback key
+        self._counted: set[str] = set()
         self.copies = 0
 
-    def _capture(self, args: Sequence[Any]) -> Any:
+    # The latest capture's parts (tests, debugging).
+    @property
+    def graph(self) -> Any:
+        return self._latest().graph if self.captures else None
+
+    @property
+    def buffers(self) -> list[Any]:
+        return self._latest().buffers if self.captures else []
+
+    @property
+    def outputs(self) -> Any:
+        return self._latest().outputs if self.captures else None
+
+    def _latest(self) -> _Capture:
+        return next(reversed(self.captures.values()))
+
+    def _fallback(self, key: str, why: str) -> None:
+        """Counted once per piece, logged once per size."""
+        if key not in self._counted:
+            self._counted.add(key)
+            COUNTERS.add_keyed("fallbacks", key)
+        if key not in self.stable.logged:
+            self.stable.logged.add(key)
+            log.warning("sizebackend: size-%d pieces run without CUDA graphs when %s (%s)",
+                        self.size, why, key)
+
+    def __call__(self, *args: Any) -> Any:
+        if torch.is_grad_enabled() and any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in args
+        ):
+            self._fallback("cudagraph_grad_mode", "called with grad mode on")
+            return self.fn(*args)
+        sig = signature(args, self.static_inputs)
+        capture = self.captures.get(sig) if sig is not None else None
+        if capture is not None:
+            for i in plan_copies(capture.buffers, args, self.static_inputs):
+                capture.buffers[i].copy_(args[i])
+                self.copies += 1
+            capture.graph.replay()
+            return capture.outputs
+        return self._first_sight(sig, args)
+
+    def _refusal(self, sig: tuple | None, args: Sequence[Any]) -> tuple[str, str] | None:
+        if sig is None:
+            return "cudagraph_signature", "an argument cannot be keyed"
+        device = self.factory.device_type
+        if any(isinstance(a, torch.Tensor) and a.device.type != device for a in args):
+            return "cudagraph_device", f"an input is not on {device}"
+        if len(self.captures) >= MAX_CAPTURES:
+            return "cudagraph_captures", f"a piece sees more than {MAX_CAPTURES} input signatures"
+        return None
+
+    def _first_sight(self, sig: tuple | None, args: Sequence[Any]) -> Any:
+        if sig in self._refused:
+            return self.fn(*args)
+        if sig not in self._warmups_left:
+            refusal = self._refusal(sig, args)
+            if refusal is not None:
+                self._fallback(*refusal)
+                if len(self._refused) < 4 * MAX_CAPTURES:  # else re-checked per call
+                    self._refused[sig] = refusal[0]
+                return self.fn(*args)
+            if len(self._warmups_left) >= 4 * MAX_CAPTURES:
+                self._warmups_left.clear()  # one-off shapes must not pile up
+            self._warmups_left[sig] = self.warmups
+        if self._warmups_left[sig] > 0:
+            self._warmups_left[sig] -= 1
+            return self.fn(*args)
+        if not self.capture_lock.acquire(blocking=False):
+            log.debug("sizebackend: a compile runs on another thread; size-%d capture deferred",
+                      self.size)
+            return self.fn(*args)
+        try:
+            return self._capture(sig, args)
+        except Exception as e:  # counted, logged; the signature runs uncaptured from now on
+            self._fallback("cudagraph_capture_failed", f"a capture fails ({type(e).__name__}: {e})")
+            self._refused[sig] = "cudagraph_capture_failed"
+            return self.fn(*args)
+        finally:
+            self.capture_lock.release()
+            self._warmups_left.pop(sig, None)
+
+    def _capture(self, sig: tuple, args: Sequence[Any]) -> Any:
         # Own a buffer for every tensor input that does not already sit at a fixed
         # address (parameters, or outputs of an earlier captured piece of this size).
         # Those outputs stay owned by the pool (and the forward): held weakly here.
@@ -220,30 +338,19 @@ class CudaGraphPiece:
             if isinstance(a, torch.Tensor) and i not in self.static_inputs:
                 a = _weak(a) if a.data_ptr() in self.stable.ptrs else a.clone()
             buffers.append(a)
-        self.buffers = buffers
-        self.graph, outputs = self.factory.capture(lambda: self.fn(*self.buffers))
-        self.outputs = _weak(outputs)
+        graph, outputs = self.factory.capture(
+            lambda: self.fn(*buffers), buffers, prepare=self.prepares
+        )
+        self.captures[sig] = _Capture(graph, buffers, _weak(outputs))
         self.stable.ptrs.update(t.data_ptr() for t in _tensors(outputs))
         COUNTERS.add_keyed("captures", str(self.size))
         if not _weak_refs_supported():
             COUNTERS.add_keyed("fallbacks", "weak_ref")  # one per capture
-        log.debug("captured a piece at size %d", self.size)
+        log.debug("captured a piece at size %d (%d signatures)", self.size, len(self.captures))
         # The owning outputs, not the weak ones: the rest of this call's forward keeps
         # them alive exactly as long as it needs them, which is what the pool must see
         # while it captures the later pieces (see the module docstring).
         return outputs
-
-    def __call__(self, *args: Any) -> Any:
-        if self.graph is None:
-            if self.warmups_left > 0:
-                self.warmups_left -= 1
-                return self.fn(*args)
-            return self._capture(args)
-        for i in plan_copies(self.buffers, args):
-            self.buffers[i].copy_(args[i])
-            self.copies += 1
-        self.graph.replay()
-        return self.outputs
 
 
 def clone_outputs(outputs: Any) -> Any:
@@ -252,18 +359,38 @@ def clone_outputs(outputs: Any) -> Any:
 
 
 def capture_pieces(split_gm: torch.fx.GraphModule, split_ops: set[str], pieces: dict,
-                   size: int, factory: "GraphFactory", warmups: int) -> dict:
-    """The pieces of ``size`` wrapped for capture/replay (split ops stay eager). Inputs
-    that are parameters or buffers (not user inputs) are never copied."""
+                   size: int, factory: GraphFactory, warmups: int,
+                   mutated: dict[str, frozenset[int]] | None = None) -> dict:
+    """The pieces of ``size`` wrapped for capture/replay (split ops stay eager).
+
+    ``mutated``: per piece, the argument positions it writes in place (see
+    ``compile/pipeline.py``'s recorder). A piece that writes an input other than a
+    parameter or buffer is left uncaptured (``fallbacks["cudagraph_input_mutation"]``).
+    Inputs that are parameters or registered buffers are read in place, never copied;
+    every other tensor input, a plain tensor attribute included, is copied."""
+    mutated = mutated or {}
     stable = StablePointers()
     wrapped = dict(pieces)
+    first = True
     for node in split_gm.graph.nodes:
         if node.op != "call_module" or node.target in split_ops:
             continue
         static = frozenset(
             i for i, a in enumerate(node.args)
             if isinstance(a, torch.fx.Node) and a.op == "placeholder"
-            and not dynamo.is_user_input(a)  # split_module keeps placeholder meta
+            and dynamo.is_parameter_or_buffer(a)  # split_module keeps placeholder meta
         )
-        wrapped[node.target] = CudaGraphPiece(pieces[node.target], size, factory, stable, warmups, static)
+        written = mutated.get(node.target, frozenset()) - static
+        if written:
+            COUNTERS.add_keyed("fallbacks", "cudagraph_input_mutation")
+            log.warning(
+                "sizebackend: piece %s writes its inputs %s in place; a replay would write "
+                "its own copy of them, so it runs without CUDA graphs at size %d",
+                node.target, sorted(written), size,
+            )
+            continue
+        wrapped[node.target] = CudaGraphPiece(
+            pieces[node.target], size, factory, stable, warmups, static, prepares=first
+        )
+        first = False
     return wrapped

@@ -6,10 +6,15 @@ size (or the general ones). A call is then: read one dim, one dict lookup, one c
 bump, and the generated forward; no FX interpreter on the hot path. A compile that
 finishes later (lazy/background) publishes a new program with one dict assignment.
 
-Concurrency: programs are never mutated after they are published, so concurrent callers
-of compiled pieces need no lock. That does *not* hold with ``cudagraphs``: a captured
-piece replays into fixed buffers (see ``runtime/cudagraphs.py``), so two calls of one
-graph running at once may overwrite each other's outputs.
+Concurrency: programs are never mutated after they are published, and a call of
+uncaptured pieces touches no state of the runner but counters (which lock), so
+concurrent calls of one runner need no lock of the runner's. Captured programs
+(``cudagraphs``) are different: their pieces copy inputs into fixed buffers, replay into
+fixed output buffers shared by every size of the graph (one memory pool), and count
+warm-ups and record captures as they go (see ``runtime/cudagraphs.py``). Two such calls
+at once would read each other's inputs and outputs, so the runner holds one lock of its
+own from a captured program's first piece until its outputs are cloned; concurrent
+callers of a captured graph are safe, and take turns.
 """
 from __future__ import annotations
 
@@ -44,7 +49,8 @@ class Program:
         self.key = key
         self.check = check
         self.frozen = frozen  # compile/freeze.FrozenWeights of a size compiled with constant weights
-        self.clone_outputs = clone_outputs  # CUDA-graph replays overwrite their outputs
+        self.clone_outputs = clone_outputs  # captured: CUDA-graph replays overwrite their outputs
+        self.pieces = dict(pieces)  # by piece name, as bound below
         for name, fn in pieces.items():
             setattr(self, name, fn)
 
@@ -94,6 +100,7 @@ class Runner:
         self._pad = pad
         self._lock = threading.Lock()  # pending and by_size changes (held briefly)
         self._compiling = threading.Lock()  # held by the one lazy compile in flight
+        self._replaying = threading.Lock()  # held by the one call of a captured program
         self._error: BaseException | None = None
         self._guard_misses: set[int] = set()
         self.background: threading.Thread | None = None
@@ -169,8 +176,10 @@ class Runner:
             if program is self._general and self._pad is not None:
                 return self._padded(args, size)
         COUNTERS.add_keyed("calls", program.key)
-        out = self._forward(program, *args)
-        return clone_outputs(out) if program.clone_outputs else out
+        if program.clone_outputs:
+            with self._replaying:
+                return clone_outputs(self._forward(program, *args))
+        return self._forward(program, *args)
 
     def _padded(self, args: tuple[Any, ...], size: int) -> Any:
         """``pad_to_size``: run on the next larger listed size's pieces, slice back."""
@@ -184,5 +193,7 @@ class Runner:
             COUNTERS.add_keyed("calls", self._general.key)
             return self._forward(self._general, *args)
         COUNTERS.add_keyed("calls", program.key)
-        out = self._pad.unpad(self._forward(program, *padded), size)
-        return clone_outputs(out) if program.clone_outputs else out
+        if program.clone_outputs:
+            with self._replaying:
+                return clone_outputs(self._pad.unpad(self._forward(program, *padded), size))
+        return self._pad.unpad(self._forward(program, *padded), size)

@@ -24,12 +24,15 @@ from dynamo_sizebackend.options import parse_options
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def test_seed_rule_drops_non_capture_sizes_with_one_warning():
+def test_compile_sizes_outside_capture_sizes_are_kept_uncaptured(caplog):
+    """Issue 12: the seed dropped 3 and 5 (they then ran on the general pieces); now
+    they are compiled and run at their own size, without graphs, said once."""
     opts = parse_options({"compile_sizes": [1, 2, 3, 4, 5], "cudagraphs": True})
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert effective_compile_sizes(opts) == (1, 2, 4)
-    assert len(caught) == 1 and "[3, 5]" in str(caught[0].message)
+    with caplog.at_level(logging.INFO, logger="dynamo_sizebackend.runtime.cudagraphs"):
+        assert effective_compile_sizes(opts) == (1, 2, 3, 4, 5)
+    assert cudagraphs.uncaptured_sizes(opts) == (3, 5)
+    assert [n for n in range(1, 6) if cudagraphs.captures_size(opts, n)] == [1, 2, 4]
+    assert len([r for r in caplog.records if "[3, 5] are not in cudagraph_sizes" in r.getMessage()]) == 1
 
 
 def test_without_cudagraphs_every_size_is_kept():
@@ -37,18 +40,21 @@ def test_without_cudagraphs_every_size_is_kept():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert effective_compile_sizes(opts) == (1, 2, 3, 4, 5)
+    assert not any(cudagraphs.captures_size(opts, n) for n in range(1, 6))
 
 
 def test_custom_capture_sizes():
     opts = parse_options({"compile_sizes": [3, 6, 8], "cudagraphs": True, "cudagraph_sizes": [3, 6]})
-    with pytest.warns(UserWarning, match=r"\[8\]"):
-        assert effective_compile_sizes(opts) == (3, 6)
+    assert effective_compile_sizes(opts) == (3, 6, 8)
+    assert cudagraphs.uncaptured_sizes(opts) == (8,)
 
 
 def test_plan_copies_only_where_addresses_change():
     a, b = torch.zeros(4), torch.zeros(4)
     assert plan_copies([a, b, 3], [a, b.clone(), 3]) == [1]
     assert plan_copies([a, b], [a, b]) == []
+    # A static input (a parameter) is never copied into, whatever its address.
+    assert plan_copies([a, b], [a.clone(), b.clone()], static=frozenset({0})) == [1]
 
 
 def _two_pieces(weight):
@@ -118,19 +124,20 @@ def test_cudagraph_wiring_through_the_backend_on_a_simulator(monkeypatch, caplog
     model = TinyTransformer(layers=2).eval()
     compiled = compile_sb(model, compile_sizes=[2, 3, 4], compiler="eager", cudagraphs=True,
                           cudagraph_warmups=1, cache_dir=None)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with caplog.at_level(logging.INFO, logger="dynamo_sizebackend.runtime.cudagraphs"):
         first = compiled(batch(4))
     assert [r.getMessage() for r in caplog.records if "[3] are not in cudagraph_sizes" in r.getMessage()]
     outs = [first] + [compiled(batch(4, seed=s)) for s in range(2, 6)]
     for s, out in zip([1, 2, 3, 4, 5], outs):
         torch.testing.assert_close(out, model(batch(4, seed=s)))
-    # Size 3 was dropped by the seed rule: compiles for the general shape, 2 and 4 only.
-    assert sb.stats().compiles == {"dynamic": 3, "2": 3, "4": 3}
+    # Size 3 is not a capture size but is kept: 3 pieces x (general + 2, 3, 4).
+    assert sb.stats().compiles == {"dynamic": 3, "2": 3, "3": 3, "4": 3}
     # 3 pieces captured once at size 4 (first call warms up, second captures).
     assert sb.stats().captures == {"4": 3}
-    torch.testing.assert_close(compiled(batch(3)), model(batch(3)))
-    assert sb.stats().calls["dynamic"] == 1
+    for _ in range(3):  # size 3 runs its own pieces, never captured
+        torch.testing.assert_close(compiled(batch(3)), model(batch(3)))
+    assert sb.stats().calls == {"4": 5, "3": 3}
+    assert sb.stats().captures == {"4": 3} and sb.stats().fallbacks == {}
 
 
 class OwnerSpy(SimulatedGraphFactory):
@@ -141,8 +148,8 @@ class OwnerSpy(SimulatedGraphFactory):
         super().__init__()
         self.graphs = []
 
-    def capture(self, fn):
-        graph, outputs = super().capture(fn)
+    def capture(self, fn, inputs=(), prepare=True):
+        graph, outputs = super().capture(fn, inputs, prepare)
         self.graphs.append(graph)
         return graph, outputs
 
