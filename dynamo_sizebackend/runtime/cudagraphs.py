@@ -6,9 +6,9 @@ Attention (the split ops) is never captured: it runs eagerly between the graphs.
 What a capture is keyed by. A graph replays exactly the kernels it recorded, with the
 shapes, strides and Python scalars of its capture baked in. A piece of a size may still
 see other shapes (a symbolic sequence length) and other int arguments, so each piece
-keys its captures by the *signature* of its arguments: for every tensor its shape,
-stride, dtype and device (and, for a parameter or buffer, its address), for everything
-else its type and value. A new signature gets its own warm-up runs and capture, up to
+keys its captures by the *signature* of its arguments: for every tensor its shape and
+stride (for a parameter or buffer its address and shape), for everything else its type
+and value (dtype and device are guarded by Dynamo). A new signature gets its own warm-up runs and capture, up to
 :data:`MAX_CAPTURES` per piece and size; past that it runs uncaptured. Why not refuse
 pieces with symbols other than the batch: in serving, sequence lengths change every
 call, and keying keeps a bounded set of hot shapes on graphs instead of none.
@@ -183,26 +183,42 @@ def plan_copies(
     ]
 
 
-_SCALARS = (int, float, bool, str, type(None))
+_TENSOR, _STATIC, _VALUE = 0, 1, 2
 
 
-def signature(args: Sequence[Any], static: frozenset[int] = frozenset()) -> tuple | None:
-    """What a capture of a piece called with ``args`` bakes in; ``None`` when an argument
-    cannot be keyed (unhashable)."""
+def arg_kinds(args: Sequence[Any], static: frozenset[int] = frozenset()) -> tuple[int, ...]:
+    """How :func:`signature` keys each position (fixed per piece: its FX call site)."""
+    return tuple(
+        _STATIC if i in static else _TENSOR if isinstance(a, torch.Tensor) else _VALUE
+        for i, a in enumerate(args)
+    )
+
+
+def signature(args: Sequence[Any], kinds: tuple[int, ...]) -> tuple | None:
+    """What a capture of a piece called with ``args`` bakes in: a tensor's shape and
+    stride, a parameter's or buffer's address (and shape), any other value with its
+    type (1, 1.0 and True hash alike). ``None`` when a value cannot be keyed.
+
+    Not dtype or device: Dynamo guards them on the graph's inputs and every other input
+    of a piece follows from those; the device is checked once per signature (below).
+    This runs on every call of every captured piece, so it stays this small."""
     parts: list[Any] = []
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            ptr = a.data_ptr() if i in static else None
-            parts.append((a.shape, a.stride(), a.dtype, a.device, ptr))
-        elif isinstance(a, _SCALARS):
-            parts.append((type(a), a))  # 1, 1.0 and True hash alike
-        else:
-            try:
-                hash(a)
-            except TypeError:
-                return None
-            parts.append((type(a), a))
-    return tuple(parts)
+    add = parts.append  # flat: each position's kind, hence its parts, is fixed
+    try:
+        for a, k in zip(args, kinds):
+            if k == _TENSOR:
+                add(a.shape)
+                add(a.stride())
+            elif k == _STATIC:
+                add(a.data_ptr())
+                add(a.shape)
+            else:
+                add(a if type(a) is int else (type(a), a))
+        sig = tuple(parts)
+        hash(sig)
+    except (TypeError, AttributeError):  # an unhashable value; a tensor where none was
+        return None
+    return sig
 
 
 class _Capture:
@@ -241,6 +257,7 @@ class CudaGraphPiece:
         self.static_inputs = static_inputs  # parameters and buffers: read in place
         self.prepares = prepares
         self.capture_lock = capture_lock if capture_lock is not None else dynamo.COMPILE_LOCK
+        self._kinds: tuple[int, ...] | None = None
         self.captures: dict[tuple, _Capture] = {}
         self._warmups_left: dict[tuple, int] = {}
         self._refused: dict[Any, str] = {}  # signature -> fallback key
@@ -279,7 +296,9 @@ class CudaGraphPiece:
         ):
             self._fallback("cudagraph_grad_mode", "called with grad mode on")
             return self.fn(*args)
-        sig = signature(args, self.static_inputs)
+        if self._kinds is None or len(self._kinds) != len(args):
+            self._kinds = arg_kinds(args, self.static_inputs)
+        sig = signature(args, self._kinds)
         capture = self.captures.get(sig) if sig is not None else None
         if capture is not None:
             for i in plan_copies(capture.buffers, args, self.static_inputs):

@@ -38,9 +38,10 @@ class CudaGraphFactory:
       fenced both ways with the current stream.
     - ``capture_error_mode="thread_local"``: CUDA calls other threads make during a
       capture (a compile's allocations) do not invalidate it; only this thread's do.
-    - The synchronize, ``gc.collect`` and ``empty_cache`` that ``torch.cuda.graph`` does
-      on every capture run once per batch of captures (``prepare``): a size's pieces are
-      captured in one call, and collecting before each of them costs tens of ms apiece.
+    - The ``gc.collect`` and ``empty_cache`` that ``torch.cuda.graph`` may do on every
+      capture run once per batch of captures (``prepare``): a size's pieces are captured
+      in one call, and collecting before each of them costs tens of ms apiece. (The
+      device synchronize stays per capture: it costs nothing on an idle device.)
     """
 
     device_type = "cuda"
@@ -59,13 +60,14 @@ class CudaGraphFactory:
 
     def capture(self, fn, inputs=(), prepare: bool = True):
         current = torch.cuda.current_stream()
+        torch.cuda.synchronize()  # cheap; what torch.cuda.graph does before every capture
         if prepare:
             self.prepares += 1
-            torch.cuda.synchronize()
             gc.collect()
             torch.cuda.empty_cache()
         stream = self._stream(current)
-        stream.wait_stream(current)  # the input buffers were written on ``current``
+        if stream is not current:
+            stream.wait_stream(current)  # the input buffers were written on ``current``
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream):
             graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
@@ -73,7 +75,8 @@ class CudaGraphFactory:
                 outputs = fn()
             finally:
                 graph.capture_end()
-        current.wait_stream(stream)
+        if stream is not current:
+            current.wait_stream(stream)
         # Capture records the kernels without running them: the outputs hold nothing yet.
         graph.replay()
         return graph, outputs

@@ -266,3 +266,79 @@ def test_cuda_capture_outputs_go_back_to_the_pool():
     for n in (4, 8, 4, 8):
         x = torch.randn(n, 1024, device="cuda")
         torch.testing.assert_close(clone_outputs(pieces[n](x))[0], fn(x)[0])
+
+
+# -- issue 12 on a real GPU: the CudaGraphFactory paths the simulator stands in for ------
+
+
+@gpu
+@torch.no_grad()
+def test_cuda_captures_per_signature_on_the_current_stream():
+    """Two sequence lengths and two int values, captured on a non-default current stream
+    (no side stream made), each replayed correctly; then on the default stream, where
+    the factory must use a side stream of its own."""
+    from dynamo_sizebackend.runtime.cudagraphs import CudaGraphFactory
+
+    w = torch.randn(16, 16, device="cuda")
+    fn = lambda x, w, n: (torch.relu(x @ w) * n,)  # noqa: E731
+    factory = CudaGraphFactory()
+    piece = CudaGraphPiece(fn, 4, factory, StablePointers(), warmups=1, static_inputs=frozenset({1}))
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for seq, n in [(8, 3), (8, 3), (8, 3), (12, 3), (12, 3), (12, 5), (12, 5), (8, 3), (12, 5)]:
+            x = torch.randn(4, seq, 16, device="cuda")
+            torch.testing.assert_close(clone_outputs(piece(x, w, n))[0], fn(x, w, n)[0])
+    torch.cuda.synchronize()
+    assert len(piece.captures) == 3 and factory._side is None
+    assert factory.prepares == 3  # a lone piece starts every batch
+    x = torch.randn(4, 16, 16, device="cuda")
+    for _ in range(3):
+        torch.testing.assert_close(clone_outputs(piece(x, w, 2))[0], fn(x, w, 2)[0])
+    assert factory._side is not None and len(piece.captures) == 4
+
+
+@gpu
+def test_cuda_refuses_grad_mode_cpu_inputs_and_input_writes():
+    from dynamo_sizebackend.runtime.cudagraphs import CudaGraphFactory
+
+    factory = CudaGraphFactory()
+    w = torch.randn(8, 8, device="cuda", requires_grad=True)
+    piece = CudaGraphPiece(lambda x, w: (x @ w,), 4, factory, StablePointers(), warmups=1,
+                           static_inputs=frozenset({1}))
+    for _ in range(3):
+        out = piece(torch.randn(4, 8, device="cuda"), w)[0]
+    assert out.requires_grad and piece.captures == {}
+    with torch.no_grad():
+        scale = torch.tensor(2.0)  # a CPU scalar a capture would bake in
+        cpu = CudaGraphPiece(lambda x, s: (x * s,), 4, factory, StablePointers(), warmups=1)
+        for value in (2.0, 2.0, 3.0):
+            scale.fill_(value)
+            x = torch.randn(4, device="cuda")
+            torch.testing.assert_close(cpu(x, scale)[0], x * value)
+        assert cpu.captures == {}
+    assert sb.stats().fallbacks == {"cudagraph_grad_mode": 1, "cudagraph_device": 1}
+
+
+@gpu
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@torch.no_grad()
+def test_cuda_backend_end_to_end(compiler):
+    """TinyTransformer on the GPU through the backend with real graphs: sizes 1 (its
+    own static graph), 2 and 4 captured, 3 compiled but uncaptured, two sequence
+    lengths; every call matches eager."""
+    from ..nets import TinyTransformer, compile_sb
+
+    model = TinyTransformer(layers=2).cuda().eval()
+    compiled = compile_sb(model, compile_sizes=[1, 2, 3, 4], compiler=compiler, cudagraphs=True,
+                          cache_dir=None, sized_inductor_options={})
+    calls = 0
+    for seq in (8, 12):
+        for n in (1, 2, 3, 4):
+            for step in range(3):  # warm-up, capture, replay
+                x = torch.randn(n, seq, 32, device="cuda")
+                torch.testing.assert_close(compiled(x), model(x), rtol=2e-3, atol=2e-3)
+                calls += 1
+    # 3 pieces x 2 sequence lengths at each of the capture sizes 1, 2, 4.
+    assert sb.stats().captures == {"1": 6, "2": 6, "4": 6}
+    assert sb.stats().fallbacks == {}
+    assert sum(sb.stats().calls.values()) == calls
