@@ -25,7 +25,13 @@ from ..runtime import cudagraphs, padding
 from ..runtime.runner import Program, Runner, generated_forward
 from ..stats import COUNTERS
 from . import background, floats, freeze, guards
-from .adaptor import CompiledPiece, CompilerAdaptor, compile_piece, make_adaptor, size_key
+from .adaptor import (
+    CompiledPiece,
+    CompilerAdaptor,
+    compile_piece,
+    make_adaptor,
+    size_key,
+)
 from .batch import ConcreteInputs, find_batch
 from .failures import Fallbacks
 from .progress import CompileProgress

@@ -224,7 +224,7 @@ def signature(args: Sequence[Any], kinds: tuple[int, ...]) -> tuple | None:
 class _Capture:
     """One recorded graph of a piece: its input buffers and the outputs it rewrites."""
 
-    __slots__ = ("graph", "buffers", "outputs")
+    __slots__ = ("buffers", "graph", "outputs")
 
     def __init__(self, graph: Any, buffers: list[Any], outputs: Any):
         self.graph, self.buffers, self.outputs = graph, buffers, outputs

@@ -8,7 +8,8 @@ per compiled Dynamo graph: all its captures share one memory pool.
 from __future__ import annotations
 
 import gc
-from typing import Any, Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 

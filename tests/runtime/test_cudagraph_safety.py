@@ -8,14 +8,18 @@ import time
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 import dynamo_sizebackend as sb
 from dynamo_sizebackend._torch import dynamo
 from dynamo_sizebackend.compile import pipeline
 from dynamo_sizebackend.runtime import cudagraphs
-from dynamo_sizebackend.runtime.cudagraphs import CudaGraphPiece, SimulatedGraphFactory, StablePointers
+from dynamo_sizebackend.runtime.cudagraphs import (
+    CudaGraphPiece,
+    SimulatedGraphFactory,
+    StablePointers,
+)
 
 from ..nets import TinyTransformer, batch, compile_sb
 from ..spies import run_threads

@@ -320,7 +320,7 @@ def test_cuda_refuses_grad_mode_cpu_inputs_and_input_writes():
 
 
 @gpu
-@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
 @torch.no_grad()
 def test_cuda_backend_end_to_end(compiler):
     """TinyTransformer on the GPU through the backend with real graphs: sizes 1 (its
