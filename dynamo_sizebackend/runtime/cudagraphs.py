@@ -13,11 +13,15 @@ and value (dtype and device are guarded by Dynamo). A new signature gets its own
 pieces with symbols other than the batch: in serving, sequence lengths change every
 call, and keying keeps a bounded set of hot shapes on graphs instead of none.
 
+Inputs a piece writes in place (a KV cache the caller keeps, ``acc.add_(1)``) are not
+copied either: a copy would take the write, and the caller's tensor would never see it.
+The capture reads and writes them at their own address, and that address is part of
+the signature, so a replay only ever writes the very tensor the call passed; a call that
+passes another tensor there gets a capture of its own (a static KV cache passes the same
+tensors every call: one capture).
+
 What is never captured (the piece runs as compiled, counted once per piece in
 ``fallbacks[<key>]`` and logged once per size):
-- ``cudagraph_input_mutation``: a piece that writes one of its inputs in place, other
-  than a parameter or buffer. A replay reads and writes the piece's own copy of such an
-  input, so the write would never reach the caller's tensor (or a later piece's);
 - ``cudagraph_grad_mode``: a call with grad mode on and an input that requires grad. A
   replay returns detached buffers: no autograd history;
 - ``cudagraph_device``: a call with a tensor on another device than the graphs' (a CPU
@@ -33,9 +37,9 @@ Memory and addresses, the hazards this module exists for:
   attention output arrives at a fresh address each call: it is copied into the capture's
   own static buffer (a clone made at capture, never a tensor the caller owns). An output
   of an earlier captured piece of the same size lives at a fixed pool address and is
-  not copied. Only real parameters and registered buffers are read in place; their
-  address is part of the signature, so a replaced weight (``.data = ...``) gets a new
-  capture instead of a replay that reads freed memory;
+  not copied. Only real parameters, registered buffers and inputs the piece writes are
+  read in place; their address is part of the signature, so a replaced weight
+  (``.data = ...``) gets a new capture instead of a replay that reads freed memory;
 - a replay writes its outputs into the same buffers every time, so the runner clones the
   graph's final outputs before handing them to the caller.
 
@@ -196,7 +200,7 @@ def arg_kinds(args: Sequence[Any], static: frozenset[int] = frozenset()) -> tupl
 
 def signature(args: Sequence[Any], kinds: tuple[int, ...]) -> tuple | None:
     """What a capture of a piece called with ``args`` bakes in: a tensor's shape and
-    stride, a parameter's or buffer's address (and shape), any other value with its
+    stride, the address (with shape and stride) of an input read in place, any other value with its
     type (1, 1.0 and True hash alike). ``None`` when a value cannot be keyed.
 
     Not dtype or device: Dynamo guards them on the graph's inputs and every other input
@@ -212,6 +216,7 @@ def signature(args: Sequence[Any], kinds: tuple[int, ...]) -> tuple | None:
             elif k == _STATIC:
                 add(a.data_ptr())
                 add(a.shape)
+                add(a.stride())
             else:
                 add(a if type(a) is int else (type(a), a))
         sig = tuple(parts)
@@ -254,7 +259,7 @@ class CudaGraphPiece:
         self.factory = factory
         self.stable = stable
         self.warmups = warmups
-        self.static_inputs = static_inputs  # parameters and buffers: read in place
+        self.static_inputs = static_inputs  # parameters, buffers, written inputs: read in place
         self.prepares = prepares
         self.capture_lock = capture_lock if capture_lock is not None else dynamo.COMPILE_LOCK
         self._kinds: tuple[int, ...] | None = None
@@ -383,10 +388,9 @@ def capture_pieces(split_gm: torch.fx.GraphModule, split_ops: set[str], pieces: 
     """The pieces of ``size`` wrapped for capture/replay (split ops stay eager).
 
     ``mutated``: per piece, the argument positions it writes in place (see
-    ``compile/pipeline.py``'s recorder). A piece that writes an input other than a
-    parameter or buffer is left uncaptured (``fallbacks["cudagraph_input_mutation"]``).
-    Inputs that are parameters or registered buffers are read in place, never copied;
-    every other tensor input, a plain tensor attribute included, is copied."""
+    ``compile/pipeline.py``'s recorder). Those, and inputs that are parameters or
+    registered buffers, are read in place at an address the signature keys, never
+    copied; every other tensor input, a plain tensor attribute included, is copied."""
     mutated = mutated or {}
     stable = StablePointers()
     wrapped = dict(pieces)
@@ -401,15 +405,11 @@ def capture_pieces(split_gm: torch.fx.GraphModule, split_ops: set[str], pieces: 
         )
         written = mutated.get(node.target, frozenset()) - static
         if written:
-            COUNTERS.add_keyed("fallbacks", "cudagraph_input_mutation")
-            log.warning(
-                "sizebackend: piece %s writes its inputs %s in place; a replay would write "
-                "its own copy of them, so it runs without CUDA graphs at size %d",
-                node.target, sorted(written), size,
-            )
-            continue
+            log.debug("sizebackend: piece %s writes its inputs %s in place: captured at "
+                      "their own address", node.target, sorted(written))
         wrapped[node.target] = CudaGraphPiece(
-            pieces[node.target], size, factory, stable, warmups, static, prepares=first
+            pieces[node.target], size, factory, stable, warmups, static | written,
+            prepares=first,
         )
         first = False
     return wrapped

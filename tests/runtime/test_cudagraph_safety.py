@@ -110,16 +110,24 @@ class Accumulates(nn.Module):
 
 
 @torch.no_grad()
-def test_a_piece_that_writes_a_user_input_is_not_captured(simulator):
-    """The seed captured it with ``acc`` cloned into a buffer: after 4 calls acc was 1."""
+def test_a_piece_that_writes_a_user_input_writes_the_callers_tensor(simulator):
+    """The seed captured it with ``acc`` cloned into a buffer: after 4 calls acc was 1.
+    Now the capture writes ``acc`` where it is, keyed by its address."""
     model = Accumulates().eval()
     compiled = _cg(model, compile_sizes=[4])
     x, acc = torch.randn(4, 8), torch.zeros(4)
-    for _ in range(4):
+    for _ in range(4):  # 1 warm-up, 1 capture, 2 replays
         torch.testing.assert_close(compiled(x, acc), model.lin(x))
     torch.testing.assert_close(acc, torch.full((4,), 4.0))
-    assert sb.stats().captures == {}
-    assert sb.stats().fallbacks == {"cudagraph_input_mutation": 1}  # 1 piece at size 4
+    assert sb.stats().captures == {"4": 1} and sb.stats().fallbacks == {}
+    # Another tensor in its place: a capture of its own (after its warm-up), and the
+    # first tensor is never written again.
+    other = torch.zeros(4)
+    for _ in range(3):
+        compiled(x, other)
+    torch.testing.assert_close(other, torch.full((4,), 3.0))
+    torch.testing.assert_close(acc, torch.full((4,), 4.0))
+    assert sb.stats().captures == {"4": 2}
 
 
 # -- ownership ------------------------------------------------------------------------

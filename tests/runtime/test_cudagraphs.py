@@ -298,7 +298,7 @@ def test_cuda_captures_per_signature_on_the_current_stream():
 
 
 @gpu
-def test_cuda_refuses_grad_mode_cpu_inputs_and_input_writes():
+def test_cuda_refuses_grad_mode_and_cpu_inputs():
     from dynamo_sizebackend.runtime.cudagraphs import CudaGraphFactory
 
     factory = CudaGraphFactory()
@@ -317,6 +317,32 @@ def test_cuda_refuses_grad_mode_cpu_inputs_and_input_writes():
             torch.testing.assert_close(cpu(x, scale)[0], x * value)
         assert cpu.captures == {}
     assert sb.stats().fallbacks == {"cudagraph_grad_mode": 1, "cudagraph_device": 1}
+
+
+@gpu
+@torch.no_grad()
+def test_cuda_capture_writes_an_input_where_it_is():
+    """An input the piece writes (a KV cache) is read in place, keyed by its address:
+    the real graph's replays write the caller's tensor, and another tensor there gets a
+    capture of its own."""
+    from dynamo_sizebackend.runtime.cudagraphs import CudaGraphFactory
+
+    def body(x, acc):
+        acc.add_(1)
+        return (x * 2,)
+
+    piece = CudaGraphPiece(body, 4, CudaGraphFactory(), StablePointers(), warmups=1,
+                           static_inputs=frozenset({1}))
+    acc, other = torch.zeros(4, device="cuda"), torch.zeros(4, device="cuda")
+    for _ in range(4):  # warm-up, capture, 2 replays
+        x = torch.randn(4, device="cuda")
+        torch.testing.assert_close(piece(x, acc)[0], x * 2)
+    for _ in range(3):
+        piece(torch.randn(4, device="cuda"), other)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(acc, torch.full((4,), 4.0, device="cuda"))
+    torch.testing.assert_close(other, torch.full((4,), 3.0, device="cuda"))
+    assert len(piece.captures) == 2
 
 
 @gpu
