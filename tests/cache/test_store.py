@@ -92,22 +92,14 @@ def test_identical_layers_share_a_key_and_nothing_else_does(monkeypatch):
     assert piece_key(gm, inputs, size, "opts") != key
 
 
-def _threads(n):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
+def _swapped(get, set_, value):
+    """``set_(value)`` for the block, then the value ``get()`` gave before."""
+    before = get()
+    set_(value)
     try:
         yield
     finally:
-        torch.set_num_threads(before)
-
-
-def _default_dtype(dtype):
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
+        set_(before)
 
 
 def _matmul_precision(precision):
@@ -151,8 +143,10 @@ def _autocast():
 # compiled for 1 thread has no `#pragma omp`, one for 2 has them), and each is a factor
 # of Inductor's or AOTAutograd's own cache key.
 _FACTORS = {
-    "threads": lambda: _threads(1 if torch.get_num_threads() != 1 else 2),
-    "default_dtype": lambda: _default_dtype(torch.float64),
+    "threads": lambda: _swapped(torch.get_num_threads, torch.set_num_threads,
+                                1 if torch.get_num_threads() != 1 else 2),
+    "default_dtype": lambda: _swapped(torch.get_default_dtype, torch.set_default_dtype,
+                                      torch.float64),
     "matmul_high": lambda: _matmul_precision("high"),
     "matmul_medium": lambda: _matmul_precision("medium"),
     "deterministic": lambda: _deterministic(False),
