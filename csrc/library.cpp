@@ -1,30 +1,21 @@
 // The `sizebackend` op library: every schema lives in this one TORCH_LIBRARY block,
 // kernels live next to their implementation in one TORCH_LIBRARY_IMPL per dispatch key.
 //
-// The shared object is also a (deliberately empty) Python extension module, so that
-// `from dynamo_sizebackend import _C` loads it and thereby runs the static registrars
-// below; the ops are then reachable as torch.ops.sizebackend.*.
-#include <Python.h>
+// The shared object is also a Python extension module: importing it loads the library,
+// and it holds the FrozenGuard class (csrc/frozen_guard.cpp).
+#include <torch/extension.h>
 
 #include <torch/library.h>
 
-extern "C" {
-// Python looks for PyInit_<name> when importing `_C`. The module has no methods of its
-// own: importing it is only a way to get the .so loaded into the process.
-PyObject* PyInit__C(void) {
-  static PyModuleDef module = {
-      PyModuleDef_HEAD_INIT,
-      "_C",
-      "Custom-op library of dynamo_sizebackend; importing it registers torch.ops.sizebackend.",
-      -1,       // no per-interpreter state
-      nullptr,  // methods
-      nullptr,  // slots
-      nullptr,  // traverse
-      nullptr,  // clear
-      nullptr,  // free
-  };
-  return PyModule_Create(&module);
+namespace sizebackend {
+void bind_frozen_guard(pybind11::module_& m);  // csrc/frozen_guard.cpp
 }
+
+// `from dynamo_sizebackend import _C` loads the .so, which runs the static registrars
+// below (the ops are then torch.ops.sizebackend.*), and gives the module its one class.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Custom-op library of dynamo_sizebackend; importing it registers torch.ops.sizebackend.";
+  sizebackend::bind_frozen_guard(m);
 }
 
 TORCH_LIBRARY(sizebackend, m) {

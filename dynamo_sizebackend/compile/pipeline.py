@@ -74,7 +74,7 @@ class GraphCompiler:
         self.fallbacks = Fallbacks(graph_id, options.strict)
         self._factory = None
         self._mutated: dict[str, frozenset[int]] = {}  # per piece, inputs it writes in place
-        self._freezable: dict[str, torch.Tensor] = {}  # see compile/freeze.py
+        self._freezable: dict[str, freeze.Freezable] = {}  # see compile/freeze.py
 
     def _compile(self, name: str, gm, inputs, size, key, fake_mode=None, keep=None) -> CompiledPiece:
         """``keep``: ``gm`` is a frozen copy of the piece that takes only the arguments
@@ -97,10 +97,26 @@ class GraphCompiler:
         )
         return direct or slow
 
-    def _freezes(self) -> bool:
-        """Sized pieces get constant weights: asked for by their Inductor config, and
-        possible (Inductor freezes only graphs compiled with grad mode off)."""
-        return bool(self._freezable) and not torch.is_grad_enabled()
+    def _frozen_now(self, args: tuple[Any, ...] | None) -> dict[str, freeze.Freezable]:
+        """What a size compiled now freezes: nothing unless its Inductor config asks for
+        it and grad mode is off (Inductor freezes only graphs without backward); the
+        tensors of the call that triggered the compile where there is one (a parameter
+        replaced since the trace is frozen as it is now)."""
+        if not self._freezable or torch.is_grad_enabled():
+            return {}
+        frozen = dict(self._freezable)  # a copy: the runner may unfreeze names meanwhile
+        if args is not None:
+            for name, f in frozen.items():
+                live = args[f.index]
+                if live is not f.tensor and isinstance(live, torch.Tensor) and not live.is_inference():
+                    frozen[name] = freeze.Freezable(f.index, live)
+        return frozen
+
+    def never_freeze(self, names: list[str]) -> None:
+        """Inputs whose frozen value changed after a size was compiled: every size
+        compiled from now on takes them as inputs (one recompile per size and change)."""
+        for name in names:
+            self._freezable.pop(name, None)
 
     def compile_general(self, sg: SplitGraph, inputs: dict[str, tuple], key: str) -> Program:
         pieces: dict[str, CompiledPiece] = {}
@@ -130,26 +146,37 @@ class GraphCompiler:
         size: int,
         general: Program,
         graph_inputs: list[Any],
+        args: tuple[Any, ...] | None = None,
     ) -> Program | None:
         """Specialized pieces for ``size``, or ``None`` if any piece failed (the size is
         then served by the general pieces: a half-specialized program buys nothing).
-        The program checks the shape guards its compiles added (:mod:`.guards`)."""
+        The program checks the shape guards its compiles added (:mod:`.guards`) and,
+        where it froze tensors, that they did not change (:class:`.freeze.FrozenWeights`,
+        recorded before the first piece compiles). ``args``: the call that asked for the
+        size (lazy mode, a retired size), whose tensors are the ones to freeze."""
         key = size_key(size)
         concrete = ConcreteInputs(symbol, size)
+        frozen_now = self._frozen_now(args)
+        constants = {name: f.tensor for name, f in frozen_now.items()}
+        plans, frozen_names = {}, []
+        for piece in sg.compiled_pieces:
+            plan = freeze.freeze_piece(sg.gm, piece.name, constants) if constants else None
+            plans[piece.name] = plan
+            if plan is not None:
+                frozen_names += [n for n in plan[2] if n not in frozen_names]
+        # Recorded before anything compiles: a write during the compile is seen.
+        frozen = freeze.FrozenWeights(frozen_names, frozen_now) if frozen_names else None
         pieces: dict[str, CompiledPiece] = {}
-        frozen_tensors: list[torch.Tensor] = []
-        freezes = self._freezes()
         for piece in sg.pieces:
             if piece.is_split_op:
                 pieces[piece.name] = getattr(general, piece.name)
                 continue
             sub, keep = getattr(sg.gm, piece.name), None
             piece_inputs = inputs[piece.name]
-            frozen = freeze.freeze_piece(sg.gm, piece.name, self._freezable) if freezes else None
-            if frozen is not None:
-                sub, keep, tensors = frozen
+            plan = plans[piece.name]
+            if plan is not None:
+                sub, keep, _ = plan
                 piece_inputs = [piece_inputs[i] for i in keep]
-                frozen_tensors += tensors
             try:
                 example = concrete.convert(piece_inputs)
                 pieces[piece.name] = self._compile(
@@ -173,7 +200,7 @@ class GraphCompiler:
             pieces = self._captured(sg, pieces, size)
         return Program(
             key, pieces, check=check and check[1], clone_outputs=captured,
-            frozen=freeze.FrozenWeights(frozen_tensors) if frozen_tensors else None,
+            frozen=frozen,
         )
 
     def _captured(self, sg: SplitGraph, pieces: dict[str, CompiledPiece], size: int) -> dict:
@@ -191,7 +218,9 @@ class GraphCompiler:
         sg = split(gm, OpMatcher(self.options.splitting_ops))
         self.adaptor = make_adaptor(self.options, _device_type(example_inputs))
         if self.adaptor.config_for(0).get("freezing"):
-            self._freezable = freeze.freezable_inputs(gm, example_inputs)
+            self._freezable, inference = freeze.freezable_inputs(gm, example_inputs)
+            if inference:
+                freeze.not_frozen_inference(self.graph_id, inference)
 
         fakes = [dynamo.placeholder_example(n) for n in gm.graph.nodes if n.op == "placeholder"]
         fake_mode = shape_env.graph_fake_mode(fakes)
@@ -226,12 +255,12 @@ class GraphCompiler:
         symbol = batch.symbol
         sizes = self._sizes_in_range(fake_mode, symbol)
 
-        def compile_size(size: int) -> Program | None:
-            return self.compile_size(sg, recorder.inputs, symbol, size, general, fakes)
+        def compile_size(size: int, args: tuple[Any, ...] | None = None) -> Program | None:
+            return self.compile_size(sg, recorder.inputs, symbol, size, general, fakes, args)
 
-        def compile_size_later(size: int) -> Program | None:  # lazy and background modes
-            with dynamo.compile_session():
-                return compile_size(size)
+        def compile_size_later(size: int, args: tuple[Any, ...] | None = None) -> Program | None:
+            with dynamo.compile_session():  # lazy and background modes, retired sizes
+                return compile_size(size, args)
 
         mode = self.options.compile_mode
         by_size: dict[int, Program] = {}
@@ -248,7 +277,7 @@ class GraphCompiler:
         runner = Runner(
             forward, general, by_size, batch.arg_index, batch.dim,
             pending=set(sizes) if mode == "lazy" else None, compile_size=compile_size_later,
-            pad=pad,
+            pad=pad, never_freeze=self.never_freeze, graph_id=self.graph_id,
         )
         if mode == "background" and sizes:
             background.start(runner, sizes, compile_size_later)

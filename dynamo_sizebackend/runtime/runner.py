@@ -54,9 +54,10 @@ class Program:
         for name, fn in pieces.items():
             setattr(self, name, fn)
 
-    def weights_changed(self) -> bool:
-        """Whether a weight frozen into these pieces changed since they were compiled."""
-        return self.frozen is not None and self.frozen.changed()
+    def weights_changed(self, args: tuple[Any, ...]) -> bool:
+        """Whether a tensor frozen into these pieces is not what ``args`` pass at its
+        position any more (replaced, new storage, written), or the program was retired."""
+        return self.frozen is not None and not self.frozen.unchanged(args)
 
 
 def generated_forward(split_gm: torch.fx.GraphModule) -> Callable[..., Any]:
@@ -87,8 +88,10 @@ class Runner:
         arg_index: int | None,
         dim: int,
         pending: set[int] | None = None,
-        compile_size: Callable[[int], Program | None] | None = None,
+        compile_size: Callable[[int, tuple[Any, ...] | None], Program | None] | None = None,
         pad: PadPlan | None = None,
+        never_freeze: Callable[[list[str]], None] | None = None,
+        graph_id: int = 0,
     ):
         self._forward = forward
         self._general = general
@@ -98,6 +101,9 @@ class Runner:
         self._pending = pending or set()
         self._compile_size = compile_size
         self._pad = pad
+        self._never_freeze = never_freeze
+        self._graph_id = graph_id
+        self._warned_frozen = False
         self._lock = threading.Lock()  # pending and by_size changes (held briefly)
         self._compiling = threading.Lock()  # held by the one lazy compile in flight
         self._replaying = threading.Lock()  # held by the one call of a captured program
@@ -114,7 +120,7 @@ class Runner:
         call from now on raises it (a background thread has no caller to raise to)."""
         self._error = error
 
-    def _compile_pending(self, size: int) -> Program:
+    def _compile_pending(self, size: int, args: tuple[Any, ...] | None = None) -> Program:
         # Never waits: a compile in flight (of this size or another) means general for now.
         if not self._compiling.acquire(blocking=False):
             return self._by_size.get(size) or self._general
@@ -126,7 +132,7 @@ class Runner:
                     self._pending.discard(size)
             if claimed:
                 try:
-                    program = self._compile_size(size) if self._compile_size else None
+                    program = self._compile_size(size, args) if self._compile_size else None
                 except Exception as e:  # strict: raised here and on every later call
                     self.fail(e)
                     raise
@@ -136,20 +142,32 @@ class Runner:
             self._compiling.release()
         return program or self._general
 
-    def _retire(self, size: int, program: Program) -> Program:
-        """A frozen weight of ``size``'s pieces changed since they were compiled: they
-        would compute with the old values. Drop them; the size compiles again, with the
-        new values, right now (it is pending from here on)."""
-        log.warning(
-            "sizebackend: a weight frozen into the size-%d pieces changed (written in place "
-            "or given new storage) after they were compiled; compiling size %d again", size, size,
-        )
-        COUNTERS.add_keyed("fallbacks", "frozen_weights")
+    def _retire(self, size: int, program: Program, args: tuple[Any, ...]) -> Program:
+        """A tensor frozen into ``size``'s pieces changed since they were recorded (or
+        :func:`~..compile.freeze.weights_updated` retired them): they would compute with
+        the old values. Drop them; the size compiles again right now (it is pending from
+        here on), with each changed tensor as an input from now on."""
+        changed = program.frozen.changed(args)
+        if changed:
+            COUNTERS.add_keyed("fallbacks", "frozen_weights")
+            if self._never_freeze is not None:
+                self._never_freeze(changed)
+            log.log(
+                logging.INFO if self._warned_frozen else logging.WARNING,
+                "sizebackend: graph %d: %s, frozen into the size-%d pieces, changed after "
+                "they were compiled (replaced, given new storage or written in place); "
+                "compiling size %d again with %s as inputs from now on", self._graph_id,
+                ", ".join(changed), size, size, "it" if len(changed) == 1 else "them",
+            )
+            self._warned_frozen = True
+        else:
+            log.info("sizebackend: graph %d: size %d retired by weights_updated(); "
+                     "compiling it again", self._graph_id, size)
         with self._lock:
             if self._by_size.get(size) is program:
                 del self._by_size[size]
                 self._pending.add(size)
-        return self._compile_pending(size) if self._compile_size else self._general
+        return self._compile_pending(size, args) if self._compile_size else self._general
 
     def _guard_miss(self, size: int, program: Program) -> Program:
         if size not in self._guard_misses:
@@ -168,9 +186,9 @@ class Runner:
             size = args[self._arg_index].shape[self._dim]
             program = self._by_size.get(size)
             if program is None:
-                program = self._compile_pending(size) if size in self._pending else self._general
-            elif program.weights_changed():
-                program = self._retire(size, program)
+                program = self._compile_pending(size, args) if size in self._pending else self._general
+            elif program.weights_changed(args):
+                program = self._retire(size, program, args)
             elif program.check is not None and not program.check(args):
                 program = self._guard_miss(size, program)
             if program is self._general and self._pad is not None:
@@ -185,8 +203,8 @@ class Runner:
         """``pad_to_size``: run on the next larger listed size's pieces, slice back."""
         target = self._pad.target_for(size)
         program = self._by_size.get(target) if target is not None else None
-        if program is not None and program.weights_changed():
-            program = self._retire(target, program)
+        if program is not None and program.weights_changed(args):
+            program = self._retire(target, program, args)
             program = None if program is self._general else program
         padded = self._pad.pad(args, size, target) if program is not None else None
         if program is None or (program.check is not None and not program.check(tuple(padded))):
