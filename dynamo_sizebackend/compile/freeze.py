@@ -204,9 +204,8 @@ class FrozenWeights:
 
     def __init__(self, names: Sequence[str], frozen: dict[str, Freezable]):
         self.names = tuple(names)
-        self._guard = _C.FrozenGuard(
-            [frozen[n].index for n in self.names], [frozen[n].tensor for n in self.names]
-        )
+        self.positions = tuple(frozen[n].index for n in self.names)  # in the runner's args
+        self._guard = _C.FrozenGuard(list(self.positions), [frozen[n].tensor for n in self.names])
         self.unchanged: Callable[[tuple[Any, ...]], bool] = self._guard.unchanged
         with _LIVE_LOCK:
             _LIVE.add(self)
