@@ -275,3 +275,25 @@ def test_dtype_and_device_moves():
     for n in (2, 3):
         x = torch.randn(n, 8, dtype=torch.float16)
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.inductor
+@torch.no_grad()
+def test_weights_replaced_and_reloaded_with_the_real_defaults(monkeypatch):
+    monkeypatch.delenv("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS")  # the CPU default: freeze + autotune
+    model = Net().eval()
+    compiled = torch.compile(model, backend="sizebackend",
+                             options={"compile_sizes": [2], "cache_dir": None})
+    x = torch.randn(3, 8)
+    torch._dynamo.decorators.mark_unbacked(x, 0)
+    compiled(x)
+    agree(compiled, model)
+    assert sb.stats().cache_skips == {"frozen": 1}  # the default froze the size-2 piece
+    load_in_place(model)  # a checkpoint reloaded in place
+    agree(compiled, model)
+    assign_state(model)  # and one that replaces the tensors
+    agree(compiled, model)
+    # The reload changed every frozen tensor: size 2 compiled again once, with all of
+    # them as inputs, so the replacement after it costs nothing.
+    assert sb.stats().fallbacks == {"frozen_weights": 1}
+    assert sb.stats().compiles == {"dynamic": 1, "2": 2}

@@ -51,10 +51,10 @@ def generate(model, inputs, **kwargs):
     return model.generate(**inputs, max_new_tokens=NEW, do_sample=False, **kwargs)
 
 
-def counting_forward(model):
+def counting_forward(model, options=None):
     """``model.forward`` compiled with the backend, plus a count of the calls made
     (``.calls``), so a test can compare them with the calls our graphs served."""
-    compiled = torch.compile(model.forward, backend="sizebackend", options=OPTIONS)
+    compiled = torch.compile(model.forward, backend="sizebackend", options=options or OPTIONS)
 
     # wraps: generate() reads forward's signature to choose the kwargs it passes (a bare
     # (*args, **kwargs) gets one fewer: a different, smaller set of graphs).
