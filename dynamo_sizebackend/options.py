@@ -11,11 +11,15 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from . import devices
 from ._torch import dynamo, inductor
+
+log = logging.getLogger(__name__)
 
 #: SDPA as Dynamo records it (the Python function), the ATen overloads it decomposes
 #: to on CPU and CUDA that we know of in torch 2.13, and our own op.
@@ -178,7 +182,7 @@ class SizeBackendOptions:
 
     cache_dir: str | None = field(default_factory=_default_cache_dir)
     """On-disk artifact cache; ``None`` disables it (identical pieces are still compiled
-    once per process and shared). See ``cache.py``."""
+    once per process and shared). See ``cache/store.py``."""
 
     debug_dir: str | None = None
     """Write each piece's graph and generated code here. Turns the artifact cache and the
@@ -323,8 +327,27 @@ def check_options(options: Any = None, *, mode: Any = None) -> SizeBackendOption
             f"(piecewise: attention runs between the graphs)"
         )
     opts = parse_options(options)
-    from .runtime import cudagraphs  # imports this module: loaded on use
-
-    if opts.cudagraphs and not cudagraphs.cuda_available():
+    if opts.cudagraphs and not devices.cuda_available():
         raise _fail("cudagraphs", True, "CUDA graphs need a CUDA device and none is available")
+    uncaptured = uncaptured_sizes(opts)
+    if uncaptured:  # the backend checks every graph's options: said once per graph
+        log.info(
+            "sizebackend: compile_sizes %s are not in cudagraph_sizes: compiled and run at "
+            "their own size, without CUDA graphs", list(uncaptured),
+        )
     return opts
+
+
+def uncaptured_sizes(options: SizeBackendOptions) -> tuple[int, ...]:
+    """Compile sizes that are compiled but never captured: with cudagraphs on, those not
+    in ``cudagraph_sizes``.
+
+    Such a size is *kept*: compiled and run at its own size, uncaptured. It is not padded
+    up to a capture size: padding is only valid for models whose batch rows are
+    independent, which is what ``pad_to_size`` asks the user to promise. (The seed
+    dropped such sizes, so they ran on the general pieces, uncaptured and unspecialized:
+    strictly worse.)"""
+    if not options.cudagraphs:
+        return ()
+    capture = set(options.cudagraph_sizes)
+    return tuple(n for n in options.compile_sizes if n not in capture)

@@ -1,7 +1,8 @@
 """Compiled pieces kept for reuse: shared in memory within a process, and on disk across.
 
 Every Inductor compile of a piece goes through :class:`PieceCache`. Its key
-(:mod:`.piece_key`) is the same for pieces Inductor would generate the same code for, so:
+(:func:`.key.piece_key`) is the same for pieces Inductor would generate the same code
+for, so:
 
 1. in memory, identical pieces (a transformer's middle layers, for each size) compile
    once and share the artifact (``stats().reused``). The table holds artifacts weakly:
@@ -17,7 +18,7 @@ replaced, never trusted. Entries are written to a temp file in the same folder a
 ``os.replace``-d into place, so processes that compile into one folder at once only ever
 see whole files (the last writer wins; both wrote the same key, hence equivalent code).
 
-What is never cached nor shared: a piece without a key (see :mod:`.piece_key`) and a
+What is never cached nor shared: a piece without a key (see :func:`.key.piece_key`) and a
 compile that added shape guards (``cache_skips["guards"]``): those guards are how
 Dynamo or the size program learn where the artifact is valid, and a reused artifact
 would not add them again.
@@ -207,7 +208,7 @@ def forget_shared() -> None:
 
 
 class PieceCache:
-    """The cache as :func:`compiler.compile_piece` uses it, for one options set.
+    """The cache as ``compile_piece`` (``compile/adaptor.py``) uses it, for one options set.
 
     ``disk`` is ``None`` when ``cache_dir`` is ``None``: pieces are then still shared
     within the process, only nothing is read from or written to disk."""

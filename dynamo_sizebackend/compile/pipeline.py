@@ -288,7 +288,7 @@ class GraphCompiler:
         sizes 0 and 1 under 0/1 specialization, to graphs of their own)."""
         lower, upper = shape_env.value_range(fake_mode.shape_env, symbol)
         lower = lower or 0
-        wanted = cudagraphs.effective_compile_sizes(self.options)
+        wanted = self.options.compile_sizes
         sizes = [n for n in wanted if n >= lower and (upper is None or n <= upper)]
         if len(sizes) < len(wanted):
             log.info(

@@ -97,37 +97,6 @@ log = logging.getLogger(__name__)
 MAX_CAPTURES = 8
 
 
-def cuda_available() -> bool:
-    """Whether captures can run here (one place, so CPU tests can stand in a simulator)."""
-    return torch.cuda.is_available()
-
-
-def effective_compile_sizes(options: SizeBackendOptions) -> tuple[int, ...]:
-    """The sizes to compile: every listed compile size, with or without cudagraphs.
-
-    With cudagraphs on, a compile size that is not a capture size is *kept*: compiled
-    and run at its own size, uncaptured (logged once). It is not padded up to a capture
-    size: padding is only valid for models whose batch rows are independent, which is
-    what ``pad_to_size`` asks the user to promise. (The seed dropped such sizes, so they
-    ran on the general pieces, uncaptured and unspecialized: strictly worse.)"""
-    sizes = options.compile_sizes
-    uncaptured = uncaptured_sizes(options)
-    if uncaptured:
-        log.info(
-            "sizebackend: compile_sizes %s are not in cudagraph_sizes: compiled and run at "
-            "their own size, without CUDA graphs", list(uncaptured),
-        )
-    return sizes
-
-
-def uncaptured_sizes(options: SizeBackendOptions) -> tuple[int, ...]:
-    """Compile sizes that are compiled but never captured (see above)."""
-    if not options.cudagraphs:
-        return ()
-    capture = set(options.cudagraph_sizes)
-    return tuple(n for n in options.compile_sizes if n not in capture)
-
-
 def captures_size(options: SizeBackendOptions, size: int | None) -> bool:
     """Whether the pieces of ``size`` (a listed size, or the one size a static graph was
     traced at) are captured."""

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dynamo_sizebackend as sb
+from dynamo_sizebackend import devices
 from dynamo_sizebackend._torch import dynamo
 from dynamo_sizebackend.compile import pipeline
 from dynamo_sizebackend.runtime import cudagraphs
@@ -35,7 +36,7 @@ def simulator(monkeypatch):
         factories.append(SimulatedGraphFactory())
         return factories[-1]
 
-    monkeypatch.setattr(pipeline.cudagraphs, "cuda_available", lambda: True)
+    monkeypatch.setattr(devices, "cuda_available", lambda: True)
     monkeypatch.setattr(pipeline.cudagraphs, "CudaGraphFactory", make)
     return factories
 

@@ -9,28 +9,28 @@ import pytest
 import torch
 
 import dynamo_sizebackend as sb
-from dynamo_sizebackend import ops
+from dynamo_sizebackend import devices, ops
 from dynamo_sizebackend.runtime import cudagraphs
 from dynamo_sizebackend.runtime.cudagraphs import (
     CudaGraphPiece,
     SimulatedGraphFactory,
     StablePointers,
     clone_outputs,
-    effective_compile_sizes,
     plan_copies,
 )
-from dynamo_sizebackend.options import parse_options
+from dynamo_sizebackend.options import check_options, parse_options, uncaptured_sizes
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def test_compile_sizes_outside_capture_sizes_are_kept_uncaptured(caplog):
+def test_compile_sizes_outside_capture_sizes_are_kept_uncaptured(monkeypatch, caplog):
     """Issue 12: the seed dropped 3 and 5 (they then ran on the general pieces); now
     they are compiled and run at their own size, without graphs, said once."""
     opts = parse_options({"compile_sizes": [1, 2, 3, 4, 5], "cudagraphs": True})
-    with caplog.at_level(logging.INFO, logger="dynamo_sizebackend.runtime.cudagraphs"):
-        assert effective_compile_sizes(opts) == (1, 2, 3, 4, 5)
-    assert cudagraphs.uncaptured_sizes(opts) == (3, 5)
+    monkeypatch.setattr(devices, "cuda_available", lambda: True)
+    with caplog.at_level(logging.INFO, logger="dynamo_sizebackend.options"):
+        assert check_options(opts).compile_sizes == (1, 2, 3, 4, 5)
+    assert uncaptured_sizes(opts) == (3, 5)
     assert [n for n in range(1, 6) if cudagraphs.captures_size(opts, n)] == [1, 2, 4]
     assert len([r for r in caplog.records if "[3, 5] are not in cudagraph_sizes" in r.getMessage()]) == 1
 
@@ -39,14 +39,15 @@ def test_without_cudagraphs_every_size_is_kept():
     opts = parse_options({"compile_sizes": [1, 2, 3, 4, 5]})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert effective_compile_sizes(opts) == (1, 2, 3, 4, 5)
+        assert check_options(opts).compile_sizes == (1, 2, 3, 4, 5)
+    assert uncaptured_sizes(opts) == ()
     assert not any(cudagraphs.captures_size(opts, n) for n in range(1, 6))
 
 
 def test_custom_capture_sizes():
     opts = parse_options({"compile_sizes": [3, 6, 8], "cudagraphs": True, "cudagraph_sizes": [3, 6]})
-    assert effective_compile_sizes(opts) == (3, 6, 8)
-    assert cudagraphs.uncaptured_sizes(opts) == (8,)
+    assert opts.compile_sizes == (3, 6, 8)
+    assert uncaptured_sizes(opts) == (8,)
 
 
 def test_plan_copies_only_where_addresses_change():
@@ -119,12 +120,12 @@ def test_cudagraph_wiring_through_the_backend_on_a_simulator(monkeypatch, caplog
 
     from ..nets import TinyTransformer, batch, compile_sb
 
-    monkeypatch.setattr(cudagraphs, "cuda_available", lambda: True)
+    monkeypatch.setattr(devices, "cuda_available", lambda: True)
     monkeypatch.setattr(backend.cudagraphs, "CudaGraphFactory", SimulatedGraphFactory)
     model = TinyTransformer(layers=2).eval()
     compiled = compile_sb(model, compile_sizes=[2, 3, 4], compiler="eager", cudagraphs=True,
                           cudagraph_warmups=1, cache_dir=None)
-    with caplog.at_level(logging.INFO, logger="dynamo_sizebackend.runtime.cudagraphs"):
+    with caplog.at_level(logging.INFO, logger="dynamo_sizebackend.options"):
         first = compiled(batch(4))
     assert [r.getMessage() for r in caplog.records if "[3] are not in cudagraph_sizes" in r.getMessage()]
     outs = [first] + [compiled(batch(4, seed=s)) for s in range(2, 6)]
@@ -199,7 +200,7 @@ def test_backend_replays_sizes_in_any_order_and_owns_no_capture_outputs(monkeypa
         factories.append(OwnerSpy())
         return factories[-1]
 
-    monkeypatch.setattr(cudagraphs, "cuda_available", lambda: True)
+    monkeypatch.setattr(devices, "cuda_available", lambda: True)
     monkeypatch.setattr(backend.cudagraphs, "CudaGraphFactory", make_factory)
     model = TinyTransformer(layers=2).eval()
     compiled = compile_sb(model, compile_sizes=[2, 4, 8], compiler="eager", cudagraphs=True,
