@@ -223,15 +223,22 @@ def test_a_model_built_under_inference_mode_is_not_frozen():
     assert "frozen" not in s.cache_skips
 
 
+def compile_with_the_defaults(model, monkeypatch):
+    """``model`` compiled as a user would: the CPU default for sized pieces (freeze +
+    autotune, which the suite turns off), and its first call made (size 3: general)."""
+    monkeypatch.delenv("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS")
+    compiled = torch.compile(model, backend="sizebackend",
+                             options={"compile_sizes": [2], "cache_dir": None})
+    x = torch.randn(3, 8)
+    torch._dynamo.decorators.mark_unbacked(x, 0)
+    torch.testing.assert_close(compiled(x), model(x), **TOL)
+    return compiled
+
+
 def test_inference_mode_model_with_the_real_defaults(monkeypatch):
-    monkeypatch.delenv("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS")  # CPU default: freeze + autotune
     with torch.inference_mode():
         model = Net().eval()
-        compiled = torch.compile(model, backend="sizebackend",
-                                 options={"compile_sizes": [2], "cache_dir": None})
-        x = torch.randn(3, 8)
-        torch._dynamo.decorators.mark_unbacked(x, 0)
-        torch.testing.assert_close(compiled(x), model(x), **TOL)
+        compiled = compile_with_the_defaults(model, monkeypatch)
         check(compiled, model)
     s = sb.stats()
     assert s.fallbacks == {"inference_tensors_not_frozen": 1}
@@ -319,13 +326,8 @@ def test_dtype_and_device_conversions():
 
 @torch.no_grad()
 def test_weights_reloaded_and_replaced_with_the_real_defaults(monkeypatch):
-    monkeypatch.delenv("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS")  # the CPU default: freeze + autotune
     model = Net().eval()
-    compiled = torch.compile(model, backend="sizebackend",
-                             options={"compile_sizes": [2], "cache_dir": None})
-    x = torch.randn(3, 8)
-    torch._dynamo.decorators.mark_unbacked(x, 0)
-    torch.testing.assert_close(compiled(x), model(x), **TOL)
+    compiled = compile_with_the_defaults(model, monkeypatch)
     check(compiled, model)
     assert sb.stats().cache_skips == {"frozen": 1}  # the default froze the size-2 piece
     load_state_dict(model)  # a checkpoint reloaded in place
