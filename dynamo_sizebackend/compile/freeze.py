@@ -230,9 +230,17 @@ class FrozenWeights:
         return self._guard.retired
 
 
-# Every FrozenWeights alive, for weights_updated (held weakly: a retired program dies).
+# Every FrozenWeights alive, and every graph compiler that freezes, for weights_updated
+# (held weakly: a retired program, a graph Dynamo dropped, dies).
 _LIVE: weakref.WeakSet[FrozenWeights] = weakref.WeakSet()
+_GRAPHS: weakref.WeakSet[Any] = weakref.WeakSet()
 _LIVE_LOCK = threading.Lock()
+
+
+def track(graph: Any) -> None:
+    """Register a graph compiler with a ``refreeze(tensor_ids | None) -> int`` method."""
+    with _LIVE_LOCK:
+        _GRAPHS.add(graph)
 
 
 def weights_updated(module: torch.nn.Module | None = None) -> int:
@@ -244,17 +252,21 @@ def weights_updated(module: torch.nn.Module | None = None) -> int:
     many programs were retired.
 
     Changes the backend sees by itself (replacement, new storage, in-place writes on
-    the tensor or a view of it) need no call."""
+    the tensor or a view of it) need no call; but each such change makes the tensor an
+    input of the sized pieces from then on (one recompile, however often it changes).
+    This call also lifts that for the module's tensors: after a checkpoint reload, it
+    has the sizes frozen again, with the new values."""
     tensors = None
     if module is not None:
         tensors = list(module.parameters()) + list(module.buffers())
     with _LIVE_LOCK:
-        live = list(_LIVE)
-    retired = 0
+        live, graphs = list(_LIVE), list(_GRAPHS)
+    ids = None if tensors is None else {id(t) for t in tensors}
+    retired = sum(graph.refreeze(ids) for graph in graphs)
     for frozen in live:
         if not frozen.retired and (tensors is None or frozen.holds_any(tensors)):
             frozen.retire()
             retired += 1
-    log.info("sizebackend: weights_updated(%s): %d frozen programs retired",
+    log.info("sizebackend: weights_updated(%s): %d sized programs retired",
              type(module).__name__ if module is not None else "", retired)
     return retired

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -75,6 +76,8 @@ class GraphCompiler:
         self._factory = None
         self._mutated: dict[str, frozenset[int]] = {}  # per piece, inputs it writes in place
         self._freezable: dict[str, freeze.Freezable] = {}  # see compile/freeze.py
+        self._unfrozen: dict[str, freeze.Freezable] = {}  # changed once: inputs since
+        self._runner: weakref.ref[Runner] | None = None
 
     def _compile(self, name: str, gm, inputs, size, key, fake_mode=None, keep=None) -> CompiledPiece:
         """``keep``: ``gm`` is a frozen copy of the piece that takes only the arguments
@@ -112,11 +115,24 @@ class GraphCompiler:
                     frozen[name] = freeze.Freezable(f.index, live)
         return frozen
 
-    def never_freeze(self, names: list[str]) -> None:
+    def never_freeze(self, names: list[str], args: tuple[Any, ...]) -> None:
         """Inputs whose frozen value changed after a size was compiled: every size
-        compiled from now on takes them as inputs (one recompile per size and change)."""
+        compiled from now on takes them as inputs (one recompile per size and change),
+        until :func:`.freeze.weights_updated` names their module (:meth:`refreeze`)."""
         for name in names:
-            self._freezable.pop(name, None)
+            f = self._freezable.pop(name, None)
+            if f is not None:  # kept with the tensor of the call that changed it
+                self._unfrozen[name] = freeze.Freezable(f.index, args[f.index])
+
+    def refreeze(self, tensors: set[int] | None) -> int:
+        """``weights_updated``: the inputs :meth:`never_freeze` took out whose tensors are
+        among ``tensors`` (ids; all, for ``None``) may be frozen again; every sized
+        program of this graph is retired so that they are. Returns how many were."""
+        names = [n for n, f in self._unfrozen.items() if tensors is None or id(f.tensor) in tensors]
+        for name in names:
+            self._freezable[name] = self._unfrozen.pop(name)
+        runner = self._runner() if self._runner is not None else None
+        return runner.retire_sizes() if names and runner is not None else 0
 
     def compile_general(self, sg: SplitGraph, inputs: dict[str, tuple], key: str) -> Program:
         pieces: dict[str, CompiledPiece] = {}
@@ -279,6 +295,9 @@ class GraphCompiler:
             pending=set(sizes) if mode == "lazy" else None, compile_size=compile_size_later,
             pad=pad, never_freeze=self.never_freeze, graph_id=self.graph_id,
         )
+        if self._freezable:
+            self._runner = weakref.ref(runner)
+            freeze.track(self)
         if mode == "background" and sizes:
             background.start(runner, sizes, compile_size_later)
         return runner

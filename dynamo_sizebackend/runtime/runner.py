@@ -90,7 +90,7 @@ class Runner:
         pending: set[int] | None = None,
         compile_size: Callable[[int, tuple[Any, ...] | None], Program | None] | None = None,
         pad: PadPlan | None = None,
-        never_freeze: Callable[[list[str]], None] | None = None,
+        never_freeze: Callable[[list[str], tuple[Any, ...]], None] | None = None,
         graph_id: int = 0,
     ):
         self._forward = forward
@@ -151,7 +151,7 @@ class Runner:
         if changed:
             COUNTERS.add_keyed("fallbacks", "frozen_weights")
             if self._never_freeze is not None:
-                self._never_freeze(changed)
+                self._never_freeze(changed, args)
             log.log(
                 logging.INFO if self._warned_frozen else logging.WARNING,
                 "sizebackend: graph %d: %s, frozen into the size-%d pieces, changed after "
@@ -168,6 +168,18 @@ class Runner:
                 del self._by_size[size]
                 self._pending.add(size)
         return self._compile_pending(size, args) if self._compile_size else self._general
+
+    def retire_sizes(self) -> int:
+        """Drop every sized program; each size compiles again when next called (see
+        ``GraphCompiler.refreeze``). Returns how many were dropped."""
+        with self._lock:
+            programs = list(self._by_size.items())
+            for size, program in programs:
+                del self._by_size[size]
+                self._pending.add(size)
+                if program.frozen is not None:
+                    program.frozen.retire()
+        return len(programs)
 
     def _guard_miss(self, size: int, program: Program) -> Program:
         if size not in self._guard_misses:

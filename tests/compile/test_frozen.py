@@ -338,3 +338,21 @@ def test_weights_reloaded_and_replaced_with_the_real_defaults(monkeypatch):
     # them as inputs, so the replacement after it costs nothing.
     assert sb.stats().fallbacks == {"frozen_weights": 1}
     assert sb.stats().compiles == {"dynamic": 1, "2": 2}
+
+
+@torch.no_grad()
+def test_weights_updated_after_a_reload_freezes_the_size_again():
+    model = Net().eval()
+    compiled = compile_net(model)
+    check(compiled, model)
+    load_state_dict(model)  # a checkpoint reloaded in place: seen, every frozen tensor changed
+    with sb.expect(compiles={2: 1}, fallbacks={"frozen_weights": 1}, cache_skips={}):
+        check(compiled, model)  # size 2 now takes them as inputs: nothing frozen
+    # The server says it reloaded on purpose: the size is frozen again, new values.
+    assert sb.weights_updated(nn.Linear(8, 8)) == 0  # none of this model's tensors
+    assert sb.weights_updated(model) == 1  # the size-2 program
+    with sb.expect(compiles={2: 1}, fallbacks={}, cache_skips={"frozen": 1}):
+        check(compiled, model)
+    write_in_place(model)  # frozen again, so watched again
+    with sb.expect(compiles={2: 1}, fallbacks={"frozen_weights": 1}):
+        check(compiled, model)
