@@ -48,7 +48,8 @@ Not detectable: a write through ``.data`` (``w.data.copy_(t)``; ``.data`` has a 
 counter of its own) and writes to inference tensors (no counter at all, which is why
 they are not frozen: ``fallbacks["inference_tensors_not_frozen"]``). After such a
 write call :func:`weights_updated`: the frozen programs that hold the module's tensors
-compile again, frozen with the new values.
+compile again, frozen with the new values. The same call after a change the check did
+see (a checkpoint reload) lets the module's changed tensors be frozen again.
 """
 from __future__ import annotations
 
