@@ -165,8 +165,7 @@ class Runner:
                      "compiling it again", self._graph_id, size)
         with self._lock:
             if self._by_size.get(size) is program:
-                del self._by_size[size]
-                self._pending.add(size)
+                self._drop(size, program)
         return self._compile_pending(size, args) if self._compile_size else self._general
 
     def retire_sizes(self) -> int:
@@ -175,11 +174,17 @@ class Runner:
         with self._lock:
             programs = list(self._by_size.items())
             for size, program in programs:
-                del self._by_size[size]
-                self._pending.add(size)
-                if program.frozen is not None:
-                    program.frozen.retire()
+                self._drop(size, program)
         return len(programs)
+
+    def _drop(self, size: int, program: Program) -> None:
+        """``size`` stops running ``program`` and compiles again when next called (the
+        caller holds ``_lock``). Its frozen record is retired too, so that
+        ``weights_updated`` does not count it a second time."""
+        del self._by_size[size]
+        self._pending.add(size)
+        if program.frozen is not None:
+            program.frozen.retire()
 
     def _guard_miss(self, size: int, program: Program) -> Program:
         if size not in self._guard_misses:
