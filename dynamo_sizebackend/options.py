@@ -184,6 +184,13 @@ class SizeBackendOptions:
     """On-disk artifact cache; ``None`` disables it (identical pieces are still compiled
     once per process and shared). See ``cache/store.py``."""
 
+    store_frozen: bool = True
+    """With ``cache_dir`` set: sized pieces whose weights are frozen are compiled ahead
+    of time with AOTInductor and stored, weights included, so that a restart loads them
+    instead of compiling them again (``cache/aot.py``; torch cannot save a frozen JIT
+    compile). Costs disk (one copy of the frozen weights per listed size) and some
+    compile time on a cold start. ``False``: they compile on the JIT path at every start."""
+
     debug_dir: str | None = None
     """Write each piece's graph and generated code here. Turns the artifact cache and the
     sharing of identical pieces off, so that every piece is compiled and written."""
@@ -235,7 +242,7 @@ class SizeBackendOptions:
                 raise _fail("sized_inductor_options", sized,
                             "has no effect with compiler='eager' (pieces run uncompiled); "
                             "drop it or use compiler='inductor'")
-        for name in ("cudagraphs", "pad_to_size", "strict", "direct_calls"):
+        for name in ("cudagraphs", "pad_to_size", "strict", "direct_calls", "store_frozen"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "must be True or False")
         if not _is_int(self.cudagraph_warmups) or self.cudagraph_warmups < 1:

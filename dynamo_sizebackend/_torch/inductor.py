@@ -153,3 +153,43 @@ def inductor_cache_dir() -> str:
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     return os.path.abspath(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir())
+
+
+def aot_compile_package(
+    module: torch.nn.Module, args: list[torch.Tensor], inductor_options: dict[str, Any], path: str
+) -> None:
+    """Export ``module`` at ``args`` (real tensors, static shapes) and compile it with
+    AOTInductor into a package at ``path``: its ``.so``, and the module's parameters and
+    buffers as constants (frozen with ``freezing``). Raises whatever export or
+    AOTInductor raise (an op export cannot trace, a lowering AOT mode lacks).
+
+    Under :data:`COMPILE_LOCK`, for the reason :func:`standalone_compile` is: Inductor's
+    config is global and ``inductor_configs`` patches it for the compile."""
+    import warnings
+
+    # Outside any tracing context: a size compiled as Dynamo's graph arrives runs inside
+    # Dynamo's, and AOTInductor's freezing would read that one's (empty) parameters.
+    with COMPILE_LOCK, torch._guards.tracing(None), warnings.catch_warnings():
+        # Export's functionalization reads ``out.storage()`` (TypedStorage is deprecated).
+        warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
+        exported = torch.export.export(module, tuple(args), strict=False)
+        torch._inductor.aoti_compile_and_package(
+            exported, package_path=path, inductor_configs=dict(inductor_options)
+        )
+
+
+def aot_load_package(path: str) -> Any:
+    """Load a package :func:`aot_compile_package` wrote; the file may be deleted after
+    (its ``.so`` is extracted to a folder of its own). Raises on a damaged package or
+    one built by another torch."""
+    with COMPILE_LOCK:
+        return torch._inductor.aoti_load_package(path)
+
+
+def aot_runner(package: Any) -> Callable[[list[torch.Tensor]], list[torch.Tensor]] | None:
+    """The loaded package's flat entry point, ``run(list of input tensors) -> list of
+    outputs``, skipping the pytree flattening of its ``__call__`` (about 30 us per call
+    on this machine's CPU); ``None`` where torch's loader has no such method."""
+    loader = getattr(package, "loader", None)
+    run = getattr(loader, "run", None)
+    return run if callable(run) else None

@@ -3,7 +3,8 @@
 - ``sizebackend bench ...``: the throughput benchmark (``dynamo_sizebackend.bench``);
   every argument after ``bench`` is its own.
 - ``sizebackend cache info|clear [--dir DIR] [--json]``: what the on-disk artifact cache
-  holds (entries, bytes, by torch version), or empty it. Text and JSON name the same
+  holds (entries, bytes, by torch version, by kind: JIT artifacts and AOT packages, with
+  what each holds and how many per size), or empty it. Text and JSON name the same
   folders: ``cache_dir`` (the option's value) and ``folder`` (where its entries are).
   ``clear`` leaves Inductor's own cache (``TORCHINDUCTOR_CACHE_DIR``) alone, and says so.
 - ``sizebackend --version``.
@@ -14,7 +15,7 @@ import argparse
 import json
 import sys
 from collections import defaultdict
-from typing import Sequence
+from typing import Any, Sequence
 
 
 def _human(n: int) -> str:
@@ -58,13 +59,22 @@ def _cache(args: argparse.Namespace) -> int:
 
     entries, unreadable = disk.entries()
     by_torch: dict[str, dict[str, int]] = defaultdict(lambda: {"entries": 0, "bytes": 0})
+    by_kind: dict[str, dict[str, Any]] = {
+        kind: {"entries": 0, "bytes": 0, "sizes": {}, "holds": holds} for kind, holds in KINDS.items()
+    }
     for entry in entries:
         by_torch[entry.torch]["entries"] += 1
         by_torch[entry.torch]["bytes"] += entry.bytes
+        row = by_kind.setdefault(entry.kind, {"entries": 0, "bytes": 0, "sizes": {},
+                                              "holds": "unknown (a newer package wrote it)"})
+        row["entries"] += 1
+        row["bytes"] += entry.bytes
+        row["sizes"][entry.size] = row["sizes"].get(entry.size, 0) + 1
     total = sum(e.bytes for e in entries)
     if args.json:
         print(json.dumps({**where, "entries": len(entries), "bytes": total,
-                          "unreadable": unreadable, "by_torch_version": dict(by_torch)}))
+                          "unreadable": unreadable, "by_torch_version": dict(by_torch),
+                          "by_kind": by_kind}))
         return 0
     print(f"cache_dir: {root}")
     print(f"folder: {disk.folder}")
@@ -73,7 +83,25 @@ def _cache(args: argparse.Namespace) -> int:
         print(f"unreadable entries: {unreadable} (recompiled and replaced when next needed)")
     for version, row in sorted(by_torch.items()):
         print(f"  torch {version}: {row['entries']} entries, {_human(row['bytes'])}")
+    for kind, row in by_kind.items():
+        sizes = ", ".join(f"{size}: {n}" for size, n in sorted(row["sizes"].items(), key=_size_order))
+        print(f"  {kind}: {row['entries']} entries, {_human(row['bytes'])}"
+              f"{f' (by size: {sizes})' if sizes else ''}; {row['holds']}")
     return 0
+
+
+#: What each kind of entry holds, as ``cache info`` says it.
+KINDS = {
+    "jit": "Inductor's generated code of a piece (standalone_compile), no weights: "
+           "identical layers share one",
+    "aot": "an AOTInductor package of a frozen sized piece: its compiled .so and its "
+           "frozen weights, one per layer and size",
+}
+
+
+def _size_order(item: tuple[str, int]) -> tuple[int, int | str]:
+    size = item[0]
+    return (0, int(size)) if size.isdigit() else (1, size)
 
 
 def _bench(bench_args: list[str]) -> int:

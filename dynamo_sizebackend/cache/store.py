@@ -16,7 +16,16 @@ the payload's length and sha256, so a truncated or damaged entry is detected bef
 torch reads it: it is counted (``cache_skips["corrupt"]``), logged once, recompiled and
 replaced, never trusted. Entries are written to a temp file in the same folder and
 ``os.replace``-d into place, so processes that compile into one folder at once only ever
-see whole files (the last writer wins; both wrote the same key, hence equivalent code).
+see whole files. Before compiling a piece that missed, a process takes an exclusive lock
+on ``.<key>.lock`` in the same folder (:meth:`PieceCache.claim`) and looks again: N
+processes started at once (a server's workers, replicas on a shared filesystem)
+compile each piece once between them, the others wait and load it. A lock dies with its
+holder; a holder slower than ``SIZEBACKEND_CACHE_LOCK_WAIT`` seconds (900) is given up
+on and the piece compiled anyway (``cache_skips["lock_timeout"]``).
+
+Two kinds of entry (the header's ``kind``): ``jit``, a ``standalone_compile`` artifact
+(generated code, no weights), and ``aot``, an AOTInductor package of a frozen sized
+piece with its weights inside (``cache/aot.py``).
 
 What is never cached nor shared: a piece without a key (see :func:`.key.piece_key`) and a
 compile that added shape guards (``cache_skips["guards"]``): those guards are how
@@ -29,6 +38,7 @@ already holds the build. A warm start is fastest with both caches kept.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -38,7 +48,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch.fx
 
@@ -53,6 +63,11 @@ MAGIC = b"sizebackend-artifact\n"
 SUFFIX = ".sbart"
 SUBDIR = "pieces-v1"
 _HEADER_LIMIT = 4096  # the JSON header line is far shorter; a longer one is corrupt
+LOCK_SUFFIX = ".lock"
+#: How long a process waits for another that compiles the same piece before it
+#: compiles the piece itself (``cache_skips["lock_timeout"]``): a peer stopped in a
+#: debugger must not stall a server for ever; a dead peer's lock is released at once.
+LOCK_WAIT_SECONDS = float(os.environ.get("SIZEBACKEND_CACHE_LOCK_WAIT", "900"))
 
 
 class CorruptEntry(Exception):
@@ -68,6 +83,9 @@ class EntryInfo:
     torch: str
     size: str
     piece: str
+    kind: str = "jit"
+    """``"jit"`` (a ``standalone_compile`` artifact: generated code, no weights) or
+    ``"aot"`` (an AOTInductor package of a frozen piece: its ``.so`` and weights)."""
 
 
 def _tmp_name(key: str, what: str) -> str:
@@ -84,6 +102,15 @@ class DiskCache:
 
     def path(self, key: str) -> str:
         return os.path.join(self.folder, key + SUFFIX)
+
+    def stamp(self, key: str) -> tuple[int, int, int] | None:
+        """What the entry's file is now (inode, size, mtime), ``None`` when absent: a
+        changed stamp means another process wrote the entry meanwhile."""
+        try:
+            st = os.stat(self.path(key))
+        except OSError:
+            return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
 
     def read(self, key: str) -> bytes | None:
         """The payload stored for ``key``, ``None`` if there is none."""
@@ -129,7 +156,7 @@ class DiskCache:
                 bad += 1
                 continue
             found.append(EntryInfo(path, size, str(header.get("torch")), str(header.get("size")),
-                                   str(header.get("piece"))))
+                                   str(header.get("piece")), str(header.get("kind", "jit"))))
         return found, bad
 
     def clear(self) -> tuple[int, int]:
@@ -138,7 +165,7 @@ class DiskCache:
         if not os.path.isdir(self.folder):
             return 0, 0
         for name in os.listdir(self.folder):
-            if not (name.endswith(SUFFIX) or name.endswith(".tmp")):
+            if not (name.endswith(SUFFIX) or name.endswith(".tmp") or name.endswith(LOCK_SUFFIX)):
                 continue
             path = os.path.join(self.folder, name)
             try:
@@ -217,7 +244,8 @@ class PieceCache:
         self.code_key = code_key
         self.disk = disk
 
-    def _skip(self, reason: str, message: str, *args: Any) -> None:
+    def skip(self, reason: str, message: str, *args: Any) -> None:
+        """Count ``reason`` in ``cache_skips``; warn the first time per process."""
         COUNTERS.add_keyed("cache_skips", reason)
         level = logging.WARNING if _SHARED.first_warning(reason) else logging.DEBUG
         log.log(level, "sizebackend cache: " + message, *args)
@@ -230,44 +258,48 @@ class PieceCache:
             COUNTERS.add_keyed("cache_skips", "unkeyable")
         return key
 
-    def lookup(self, key: str, gm: torch.fx.GraphModule, name: str) -> Callable[..., Any] | None:
-        """The artifact for ``key`` from memory or disk, counted; ``None`` on a miss."""
-        shared = _SHARED.get(key)
-        if shared is not None:
+    def lookup(self, key: str, gm: torch.fx.GraphModule, name: str, kind: str = "jit",
+               shared: bool = True) -> Callable[..., Any] | None:
+        """The artifact for ``key`` from memory (unless ``shared`` is false) or disk,
+        counted; ``None`` on a miss. ``kind``: what the entry holds (see
+        :class:`EntryInfo`); an ``"aot"`` entry loads as the package itself."""
+        found = _SHARED.get(key) if shared else None
+        if found is not None:
             COUNTERS.add("reused")
-            return shared
+            return found
         if self.disk is None:
             return None
         try:
             payload = self.disk.read(key)
         except CorruptEntry as e:
-            self._skip("corrupt", "entry %s is damaged (%s); recompiling %s and replacing it",
+            self.skip("corrupt", "entry %s is damaged (%s); recompiling %s and replacing it",
                        self.disk.path(key), e, name)
             return None
         except OSError as e:
-            self._skip("read", "cannot read %s (%s); compiling %s", self.disk.path(key), e, name)
+            self.skip("read", "cannot read %s (%s); compiling %s", self.disk.path(key), e, name)
             return None
         if payload is None:
             return None
         # torch loads from a path; the verified payload goes to a private temp file (in
         # the system's temp folder, so that a read-only shared cache still serves).
         try:
-            fd, tmp = tempfile.mkstemp(prefix="sizebackend-load-", suffix=SUFFIX)
+            # torch's package loader takes only a name ending in .pt2
+            fd, tmp = tempfile.mkstemp(prefix="sizebackend-load-", suffix=SUFFIX if kind == "jit" else ".pt2")
             with os.fdopen(fd, "wb") as f:
                 f.write(payload)
         except OSError as e:
-            self._skip("read", "cannot stage %s for loading (%s); compiling %s",
+            self.skip("read", "cannot stage %s for loading (%s); compiling %s",
                        self.disk.path(key), e, name)
             return None
         try:
-            artifact = inductor.load_artifact(tmp)
+            artifact = (inductor.load_artifact if kind == "jit" else inductor.aot_load_package)(tmp)
         except Exception as e:  # torch's loader asserts on build mismatch; any failure: recompile
-            self._skip("corrupt", "entry %s does not load (%s: %s); recompiling %s and replacing it",
+            self.skip("corrupt", "entry %s does not load (%s: %s); recompiling %s and replacing it",
                        self.disk.path(key), type(e).__name__, e, name)
             return None
         finally:
             os.unlink(tmp)
-        if returns_one_value(gm):
+        if kind == "jit" and returns_one_value(gm):
             artifact = FirstOutput(artifact)
         COUNTERS.add("cache_hits")
         _SHARED.put(key, artifact)
@@ -279,7 +311,7 @@ class PieceCache:
         if self.disk is not None:
             COUNTERS.add("cache_misses")
         if guarded:
-            self._skip("guards", "%s (size %s) added shape guards when compiled; not caching it",
+            self.skip("guards", "%s (size %s) added shape guards when compiled; not caching it",
                        name, size)
             return
         _SHARED.put(key, artifact)
@@ -291,20 +323,90 @@ class PieceCache:
             try:
                 inductor.save_artifact(artifact, tmp)
             except (RuntimeError, AssertionError) as e:  # torch: nothing serializable to save
-                self._skip("unsaveable", "%s (size %s) cannot be saved (%s); not caching it",
+                self.skip("unsaveable", "%s (size %s) cannot be saved (%s); not caching it",
                            name, size, e)
                 return
             with open(tmp, "rb") as f:
                 payload = f.read()
-            from .. import __version__
-
-            self.disk.write(key, payload, torch=_torch.TORCH_VERSION, package=__version__,
-                            size=size, piece=name)
         except OSError as e:
-            self._skip("write", "cannot write to %s (%s); not caching %s", self.disk.folder, e, name)
+            self.skip("write", "cannot write to %s (%s); not caching %s", self.disk.folder, e, name)
+            return
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+        self._write(key, payload, size, name, "jit")
+
+    def store_payload(self, key: str, artifact: Any, payload: bytes, size: str, name: str,
+                      kind: str) -> None:
+        """Record a fresh compile whose stored form is ``payload`` (an AOT package)."""
+        COUNTERS.add("cache_misses")
+        _SHARED.put(key, artifact)
+        self._write(key, payload, size, name, kind)
+
+    def _write(self, key: str, payload: bytes, size: str, name: str, kind: str) -> None:
+        from .. import __version__
+
+        try:
+            self.disk.write(key, payload, torch=_torch.TORCH_VERSION, package=__version__,
+                            size=size, piece=name, kind=kind)
+        except OSError as e:
+            self.skip("write", "cannot write to %s (%s); not caching %s", self.disk.folder, e, name)
+
+    def stamp(self, key: str) -> Any:
+        """See :meth:`DiskCache.stamp`; ``None`` without a disk."""
+        return self.disk.stamp(key) if self.disk is not None else None
+
+    def lookup_again(self, key: str, stamp: Any, gm: torch.fx.GraphModule, name: str,
+                     kind: str = "jit") -> Callable[..., Any] | None:
+        """After :meth:`claim`: the entry another process wrote since ``stamp`` (taken
+        before the first lookup), else ``None`` without reading the same file twice (a
+        damaged entry is counted once)."""
+        if self.disk is None or self.disk.stamp(key) in (None, stamp):
+            return None
+        return self.lookup(key, gm, name, kind=kind, shared=False)
+
+    @contextlib.contextmanager
+    def claim(self, key: str, name: str) -> Iterator[None]:
+        """Hold the right to compile ``key`` among the processes sharing the folder:
+        whoever holds it compiles and writes the entry, the others wait here and then
+        find it (look it up again inside). An exclusive ``flock`` on
+        ``.<key>.lock``: released by the OS when its holder exits, however it exits.
+        Without a disk, or where the folder cannot hold a lock file (read-only), there
+        is nothing to share and nothing is held."""
+        if self.disk is None:
+            yield
+            return
+        try:
+            os.makedirs(self.disk.folder, exist_ok=True)
+            fd = os.open(os.path.join(self.disk.folder, f".{key}{LOCK_SUFFIX}"),
+                         os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            yield
+            return
+        try:
+            if not _lock(fd, LOCK_WAIT_SECONDS):
+                self.skip("lock_timeout", "another process has compiled %s for over %.0f s; "
+                          "compiling it here too", name, LOCK_WAIT_SECONDS)
+            yield
+        finally:
+            os.close(fd)  # closing releases the lock
+
+
+def _lock(fd: int, wait: float) -> bool:
+    """Take an exclusive lock on ``fd`` within ``wait`` seconds; whether it was taken."""
+    import fcntl
+
+    deadline = time.monotonic() + wait
+    delay = 0.01
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, 0.25)
 
 
 def returns_one_value(gm: torch.fx.GraphModule) -> bool:

@@ -108,21 +108,34 @@ def compile_piece(
     key = key or size_key(runtime_size)
     config = adaptor.config_for(runtime_size)
     artifact_key = cache.key(gm, example_inputs, runtime_size, config) if cache is not None else None
-    if artifact_key is not None:
-        found = cache.lookup(artifact_key, gm, debug_name)
-        if found is not None:
-            log.debug("reused %s for size %s (key %s)", debug_name, key, artifact_key[:12])
+    if artifact_key is None:
+        return _compile_and_count(adaptor, gm, example_inputs, runtime_size, fake_mode, key,
+                                  debug_dir, debug_name)
+    stamp = cache.stamp(artifact_key)
+    found = cache.lookup(artifact_key, gm, debug_name)
+    if found is not None:
+        log.debug("reused %s for size %s (key %s)", debug_name, key, artifact_key[:12])
+        return found
+    with cache.claim(artifact_key, debug_name):  # one compile among processes sharing the disk
+        found = cache.lookup_again(artifact_key, stamp, gm, debug_name)
+        if found is not None:  # another process wrote it while this one waited
             return found
-    shape_facts = shape_env.shape_env_state(example_inputs) if artifact_key is not None else None
+        shape_facts = shape_env.shape_env_state(example_inputs)
+        compiled = _compile_and_count(adaptor, gm, example_inputs, runtime_size, fake_mode, key,
+                                      debug_dir, debug_name)
+        guarded = shape_env.shape_env_state(example_inputs) != shape_facts
+        cache.store(artifact_key, compiled, key, debug_name, guarded=guarded)
+    return compiled
+
+
+def _compile_and_count(adaptor, gm, example_inputs, runtime_size, fake_mode, key, debug_dir,
+                       debug_name) -> CompiledPiece:
     start = time.perf_counter()
     compiled = adaptor.compile(gm, example_inputs, runtime_size, fake_mode)
     elapsed = time.perf_counter() - start
     COUNTERS.add_keyed("compiles", key)
     COUNTERS.add_seconds(elapsed)
     log.debug("compiled %s for size %s with %s in %.2fs", debug_name, key, adaptor.name, elapsed)
-    if artifact_key is not None:
-        guarded = shape_env.shape_env_state(example_inputs) != shape_facts
-        cache.store(artifact_key, compiled, key, debug_name, guarded=guarded)
     if debug_dir:
         _dump(debug_dir, f"{debug_name}_{key}", gm, compiled)
     return compiled

@@ -19,6 +19,7 @@ import torch.fx
 
 from .. import _torch
 from .._torch import direct_call, dynamo, shape_env
+from ..cache import aot
 from ..cache.store import FirstOutput, returns_one_value
 from ..cache.store import for_options as piece_cache_for
 from ..options import SizeBackendOptions
@@ -81,9 +82,15 @@ class GraphCompiler:
 
     def _compile(self, name: str, gm, inputs, size, key, fake_mode=None, keep=None) -> CompiledPiece:
         """``keep``: ``gm`` is a frozen copy of the piece that takes only the arguments
-        at these positions (not cached: torch cannot save a frozen graph, and its key
-        would have to hash the weights)."""
+        at these positions. Torch cannot save a frozen JIT compile, so with the disk
+        cache on it is compiled ahead of time instead and stored (``cache/aot.py``);
+        where it cannot be, it compiles on the JIT path, not cached
+        (``cache_skips["frozen"]``)."""
         if keep is not None:
+            stored = self._stored_frozen(name, gm, inputs, size, key, keep)
+            if stored is not None:
+                self.progress.step()
+                return stored
             COUNTERS.add_keyed("cache_skips", "frozen")
         compiled = compile_piece(
             self.adaptor, gm, list(inputs), size, key=key, fake_mode=fake_mode,
@@ -99,6 +106,20 @@ class GraphCompiler:
             artifact, returns_one=returns_one_value(gm), slow=slow, keep=keep
         )
         return direct or slow
+
+    def _stored_frozen(self, name: str, gm, inputs, size, key, keep) -> CompiledPiece | None:
+        """The frozen piece as an AOT package (loaded or compiled and stored), or
+        ``None`` where it cannot be one (see ``cache/aot.py``)."""
+        if (
+            self.cache is None
+            or not self.options.store_frozen
+            or self._mutated.get(name)  # AOT packages would need export's mutation handling
+        ):
+            return None
+        return aot.compile_or_load(
+            self.cache, gm, inputs, keep, size, self.adaptor.config_for(size), key=key,
+            name=f"graph{self.graph_id}_{name}",
+        )
 
     def _frozen_now(self, args: tuple[Any, ...] | None) -> dict[str, freeze.Freezable]:
         """What a size compiled now freezes: nothing unless its Inductor config asks for

@@ -390,7 +390,8 @@ _CHILD = textwrap.dedent("""
     torch.manual_seed(0)
     model = MLP().eval()
     compiled = torch.compile(model, backend="sizebackend", dynamic=True,
-                             options={"compile_sizes": [4], "cache_dir": cache_dir})
+                             options={"compile_sizes": [4], "cache_dir": cache_dir,
+                                      "sized_inductor_options": {"freezing": True}})
     outs = {}
     with torch.no_grad():
         for size in (4, 3):
@@ -417,24 +418,29 @@ def _finish(child) -> dict:
 
 @pytest.mark.inductor
 def test_processes_share_one_folder(tmp_path):
-    # Two processes compile the MLP (one piece: general + size 4 = 2 artifacts) into one
-    # empty folder at once; each finds or writes both. A third then compiles nothing.
-    first = [_start_child(tmp_path, name) for name in ("a", "b")]
-    for stats in map(_finish, first):
+    # Three processes (a server's workers) start at once on one empty folder and compile
+    # the MLP: one piece, general (a JIT artifact) + size 4 (frozen: an AOT package).
+    # Between them each artifact is compiled exactly once (the per-key lock); the others
+    # wait and load it. A fourth process then compiles nothing.
+    first = [_start_child(tmp_path, name) for name in "abc"]
+    results = [_finish(child) for child in first]
+    for stats in results:
         assert stats["cache_hits"] + stats["cache_misses"] == 2, stats
         assert sum(stats["compiles"].values()) == stats["cache_misses"], stats
         assert stats["cache_skips"] == {} and stats["fallbacks"] == {}, stats
+    assert sum(s["cache_misses"] for s in results) == 2, results
+    assert sum(s["cache_hits"] for s in results) == 4, results
     entries, unreadable = DiskCache(str(tmp_path / "cache")).entries()
-    assert (len(entries), unreadable) == (2, 0)
+    assert (sorted(e.kind for e in entries), unreadable) == (["aot", "jit"], 0)
     assert not [n for n in os.listdir(entries[0].path.rsplit("/", 1)[0]) if n.endswith(".tmp")]
 
-    stats = _finish(_start_child(tmp_path, "c"))
+    stats = _finish(_start_child(tmp_path, "d"))
     assert (stats["cache_hits"], stats["cache_misses"], stats["compiles"]) == (2, 0, {}), stats
     assert stats["calls"] == {"4": 1, "dynamic": 1}
 
-    a, b, c = (torch.load(tmp_path / f"{n}.pt") for n in "abc")
+    outs = [torch.load(tmp_path / f"{n}.pt") for n in "abcd"]
     for size in (4, 3):  # the same code, so the same bits
-        assert torch.equal(a[size], b[size]) and torch.equal(a[size], c[size])
+        assert all(torch.equal(outs[0][size], o[size]) for o in outs[1:])
 
 
 _NORM_CHILD = textwrap.dedent("""

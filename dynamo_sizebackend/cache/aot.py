@@ -1,0 +1,171 @@
+"""Frozen sized pieces stored as AOTInductor packages, so that a restart loads them.
+
+Why a second kind of entry: torch refuses to save a frozen JIT compile (AOTAutograd's
+cache bypasses any compile with ``freezing`` set, the FX graph cache bypasses CPU
+freezing because prepacked weights are mkldnn tensors), so before this every start
+compiled every frozen sized piece again: a warm restart cost nearly a cold one.
+AOTInductor does store them: the piece is exported (``torch.export``) and compiled
+ahead of time into a package holding its ``.so`` and its constants, the frozen weights
+among them; a later process loads it in milliseconds.
+
+The key is the piece key (:func:`.key.piece_key`) of the *frozen* copy of the piece,
+whose ``get_attr`` constants it hashes by value, plus the marker ``aot``: a package
+holds the weights it was compiled with, so a checkpoint with other values has another
+key and never loads a stale package. Identical layers therefore do not share a
+package (their weights differ); each size and layer is one entry, and the cache holds
+one copy of the frozen weights per listed size (``sizebackend cache info`` shows it).
+
+Used only where the disk cache is on (``cache_dir``) and ``store_frozen`` is true, for
+a piece whose inputs at that size are fully static (tensors and ints, no symbol left:
+AOTInductor would need export's dynamic-shape spec for the others) and that writes
+none of its inputs in place. Everything else, and a piece that export or AOTInductor
+cannot take, compiles on the JIT path as before, counted in
+``cache_skips["frozen"]`` (and ``cache_skips["aot_failed"]`` for a failure, logged once
+per reason).
+
+An AOT package is called through its loader's flat ``run(tensors)``: the piece's int
+arguments are constants of the package (static at this size), so only its tensor
+arguments are passed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.fx
+
+from .._torch import inductor
+from ..stats import COUNTERS
+from .store import PieceCache
+
+log = logging.getLogger(__name__)
+
+KIND = "aot"
+
+
+def static_reason(inputs: Sequence[Any]) -> str | None:
+    """Why a frozen piece with these example inputs cannot be an AOT package, or
+    ``None`` if it can (every input a tensor of static shape and strides, or an int)."""
+    for value in inputs:
+        if isinstance(value, torch.Tensor):
+            dims = list(value.shape) + list(value.stride()) + [value.storage_offset()]
+            if any(isinstance(d, torch.SymInt) for d in dims):
+                return "an input of symbolic shape"
+        elif isinstance(value, bool) or not isinstance(value, int):
+            return f"an input of type {type(value).__name__}"
+    return None
+
+
+class _Bound(torch.nn.Module):
+    """The frozen piece with its int arguments bound: export sees tensors only."""
+
+    def __init__(self, gm: torch.fx.GraphModule, example: Sequence[Any]):
+        super().__init__()
+        self.piece = gm
+        self.count = len(example)
+        self.ints = {i: v for i, v in enumerate(example) if not isinstance(v, torch.Tensor)}
+
+    def forward(self, *tensors: torch.Tensor) -> Any:
+        given = iter(tensors)
+        return self.piece(*[self.ints[i] if i in self.ints else next(given) for i in range(self.count)])
+
+
+def _real(value: torch.Tensor) -> torch.Tensor:
+    """A zero tensor with ``value``'s (static) shape, strides, dtype and device."""
+    out = torch.empty_strided(
+        [int(s) for s in value.shape], [int(s) for s in value.stride()],
+        dtype=value.dtype, device=value.device,
+    )
+    return out.zero_()
+
+
+def _outputs(gm: torch.fx.GraphModule) -> str | None:
+    """``"one"`` (a single tensor), ``"flat"`` (a tuple or list of nodes) or ``None``
+    (anything else: the package's own ``__call__`` rebuilds it)."""
+    out = next(iter(reversed(gm.graph.nodes))).args[0]
+    if isinstance(out, torch.fx.Node):
+        return "one"
+    if isinstance(out, (tuple, list)) and all(isinstance(v, torch.fx.Node) for v in out):
+        return "flat"
+    return None
+
+
+class AotPiece:
+    """A loaded package called with the split graph's arguments of the piece."""
+
+    def __init__(self, package: Any, positions: Sequence[int], outputs: str | None):
+        self.package = package
+        self.positions = tuple(positions)
+        run = inductor.aot_runner(package) if outputs is not None else None
+        if run is None:
+            self._call = lambda tensors: package(*tensors)
+        elif outputs == "one":
+            self._call = lambda tensors: run(tensors)[0]
+        else:
+            self._call = run
+
+    def __call__(self, *args: Any) -> Any:
+        return self._call([args[i] for i in self.positions])
+
+
+def compile_or_load(
+    cache: PieceCache,
+    gm: torch.fx.GraphModule,
+    example: Sequence[Any],
+    keep: Sequence[int],
+    runtime_size: int,
+    config: Mapping[str, Any],
+    *,
+    key: str,
+    name: str,
+) -> Callable[..., Any] | None:
+    """The frozen piece ``gm`` (taking the split graph's arguments at ``keep``, with
+    concrete fake ``example`` inputs) as an AOT package: loaded from the cache, or
+    compiled, stored and loaded; ``None`` when it cannot be one (the caller compiles it
+    on the JIT path). ``key``: the stats key of the size."""
+    if cache.disk is None or static_reason(example) is not None:
+        return None
+    artifact_key = cache.key(gm, example, runtime_size, {**config, "sizebackend_kind": KIND})
+    if artifact_key is None:
+        return None
+    positions = [keep[i] for i, v in enumerate(example) if isinstance(v, torch.Tensor)]
+    outputs = _outputs(gm)
+
+    def wrap(package: Any) -> AotPiece:
+        return AotPiece(package, positions, outputs)
+
+    stamp = cache.stamp(artifact_key)
+    found = cache.lookup(artifact_key, gm, name, kind=KIND)
+    if found is not None:
+        return wrap(found)
+    with cache.claim(artifact_key, name):
+        found = cache.lookup_again(artifact_key, stamp, gm, name, kind=KIND)
+        if found is not None:  # another process compiled it while this one waited
+            return wrap(found)
+        fd, path = tempfile.mkstemp(prefix="sizebackend-aot-", suffix=".pt2")
+        os.close(fd)
+        try:
+            start = time.perf_counter()
+            try:
+                tensors = [_real(v) for v in example if isinstance(v, torch.Tensor)]
+                inductor.aot_compile_package(_Bound(gm, example), tensors, dict(config), path)
+                package = inductor.aot_load_package(path)
+            except Exception as e:  # export or AOTInductor cannot take it: the JIT path
+                cache.skip("aot_failed", "%s (size %s) cannot be compiled ahead of time "
+                           "(%s: %s); compiling it on the JIT path, not stored",
+                           name, key, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                return None
+            elapsed = time.perf_counter() - start
+            COUNTERS.add_keyed("compiles", key)
+            COUNTERS.add_seconds(elapsed)
+            log.debug("compiled %s for size %s ahead of time in %.2fs", name, key, elapsed)
+            with open(path, "rb") as f:
+                payload = f.read()
+            cache.store_payload(artifact_key, package, payload, key, name, kind=KIND)
+        finally:
+            os.unlink(path)
+    return wrap(package)

@@ -1,0 +1,152 @@
+"""Frozen sized pieces stored as AOTInductor packages (issue 18): a restart loads them,
+other weights never load a stale one, a damaged one is rebuilt, and what cannot be a
+package stays on the JIT path, counted.
+
+Real Inductor and AOTInductor compiles of ``MLP`` (one piece, no attention); each test
+caches into its own ``tmp_path``. A "restart" is what a new process starts without:
+Dynamo's graphs and the in-memory table of pieces (tests/cache/test_store.py runs real
+processes).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import dynamo_sizebackend as sb
+from dynamo_sizebackend.app import cli
+from dynamo_sizebackend.cache import store
+from dynamo_sizebackend.cache.store import DiskCache
+
+from ..nets import MLP, compile_sb
+
+pytestmark = pytest.mark.inductor
+
+FREEZE = {"compile_sizes": [4], "sized_inductor_options": {"freezing": True}}
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+@pytest.fixture(autouse=True)
+def _no_shared_pieces():
+    store.forget_shared()
+    yield
+    store.forget_shared()
+
+
+def _restart():
+    torch._dynamo.reset()
+    store.forget_shared()
+
+
+def _kinds(root) -> dict[str, int]:
+    entries, unreadable = DiskCache(str(root)).entries()
+    assert unreadable == 0
+    kinds: dict[str, int] = {}
+    for entry in entries:
+        kinds[entry.kind] = kinds.get(entry.kind, 0) + 1
+    return kinds
+
+
+def _x(n: int) -> torch.Tensor:
+    return torch.randn(n, 16, generator=torch.Generator().manual_seed(n))
+
+
+def _run(model, cache_dir, **options):
+    """Compile ``model`` and call it at size 3 (general pieces) and 4 (frozen): outputs."""
+    compiled = compile_sb(model, cache_dir=str(cache_dir), **{**FREEZE, **options})
+    outs = {}
+    for n in (3, 4):
+        outs[n] = compiled(_x(n))
+        torch.testing.assert_close(outs[n], model(_x(n)), **TOL)
+    return compiled, outs
+
+
+@torch.no_grad()
+def test_a_restart_loads_the_frozen_piece_and_new_weights_never_load_a_stale_one(tmp_path):
+    torch.manual_seed(0)
+    model = MLP().eval()
+    # Cold: the general piece (JIT artifact) and the frozen size-4 piece (AOT package).
+    with sb.expect(compiles={"dynamic": 1, 4: 1}, cache_misses=2, cache_hits=0, cache_skips={}):
+        _, cold = _run(model, tmp_path)
+    assert _kinds(tmp_path) == {"jit": 1, "aot": 1}
+
+    _restart()  # loads both, compiles nothing; the same code, so the same bits
+    with sb.expect(compiles={}, cache_hits=2, cache_misses=0, calls={"dynamic": 1, 4: 1}):
+        _, warm = _run(model, tmp_path)
+    assert torch.equal(warm[4], cold[4]) and torch.equal(warm[3], cold[3])
+
+    # A model of the same shapes with other weights (another checkpoint): the package
+    # holds the old weights, so its key differs; the general piece (no weights) loads.
+    _restart()
+    torch.manual_seed(1)
+    other = MLP().eval()
+    with sb.expect(compiles={4: 1}, cache_hits=1, cache_misses=1):
+        _, new = _run(other, tmp_path)
+    assert not torch.allclose(new[4], cold[4])
+    assert _kinds(tmp_path) == {"jit": 1, "aot": 2}
+
+    # Weights written in place after the package loaded: seen by the frozen check, the
+    # size compiles again (not frozen: the tensor changed once), still right.
+    _restart()
+    compiled, _ = _run(model, tmp_path)
+    model.a.weight.mul_(2.0)
+    with sb.expect(fallbacks={"frozen_weights": 1}, compiles={4: 1}):
+        torch.testing.assert_close(compiled(_x(4)), model(_x(4)), **TOL)
+
+
+@torch.no_grad()
+def test_a_package_that_does_not_load_is_rebuilt(tmp_path, caplog):
+    torch.manual_seed(0)
+    model = MLP().eval()
+    _run(model, tmp_path)
+    (entry,) = [e for e in DiskCache(str(tmp_path)).entries()[0] if e.kind == "aot"]
+    key = entry.path.rsplit("/", 1)[1].removesuffix(store.SUFFIX)
+    # A well-formed entry (header and checksum match) whose package is garbage.
+    DiskCache(str(tmp_path)).write(key, b"not a package", torch="x", size="4", piece="p", kind="aot")
+    _restart()
+    with sb.expect(cache_skips={"corrupt": 1}, compiles={4: 1}, cache_hits=1, cache_misses=1):
+        _run(model, tmp_path)
+    assert "does not load" in caplog.text
+    _restart()  # replaced by a good one
+    with sb.expect(compiles={}, cache_hits=2):
+        _run(model, tmp_path)
+
+
+@torch.no_grad()
+def test_what_cannot_be_a_package_compiles_on_the_jit_path(tmp_path):
+    torch.manual_seed(0)
+    model = MLP().eval()
+    # Turned off: the frozen piece compiles on the JIT path, counted, not stored.
+    with sb.expect(compiles={"dynamic": 1, 4: 1}, cache_skips={"frozen": 1}):
+        _run(model, tmp_path, store_frozen=False)
+    assert _kinds(tmp_path) == {"jit": 1}
+
+    # A second symbolic dim (dynamic=True makes the middle dim symbolic too): the size-4
+    # piece keeps it, AOTInductor would need export's dynamic shapes: the JIT path.
+    _restart()
+    compiled = compile_sb(model, cache_dir=str(tmp_path / "b"), **FREEZE)
+    with sb.expect(compiles={"dynamic": 1, 4: 1}, cache_skips={"frozen": 1}):
+        for n in (3, 4):
+            x = torch.randn(n, 5, 16)
+            torch.testing.assert_close(compiled(x), model(x), **TOL)
+    assert _kinds(tmp_path / "b") == {"jit": 1}
+
+
+def test_cache_info_shows_each_kind(tmp_path, capsys):
+    disk = DiskCache(str(tmp_path))
+    disk.write("a", b"x" * 1000, torch="2.13.0", size="dynamic", piece="p", kind="jit")
+    disk.write("b", b"y" * 3000, torch="2.13.0", size="4", piece="p", kind="aot")
+    disk.write("c", b"z" * 2000, torch="2.13.0", size="2", piece="p", kind="aot")
+    disk.write("d", b"w" * 100, torch="2.13.0", size="4", piece="p")  # written before kinds: jit
+    assert cli.main(["cache", "info", "--json", "--dir", str(tmp_path)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    kinds = info["by_kind"]
+    assert {k: (row["entries"], row["sizes"]) for k, row in kinds.items()} == {
+        "jit": (2, {"dynamic": 1, "4": 1}), "aot": (2, {"4": 1, "2": 1})}
+    assert kinds["aot"]["bytes"] == sum(DiskCache(str(tmp_path)).entries()[0][i].bytes for i in (1, 2))
+    assert "weights" in kinds["aot"]["holds"]
+    assert cli.main(["cache", "info", "--dir", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "aot: 2 entries" in text and "(by size: 2: 1, 4: 1)" in text
+    assert "jit: 2 entries" in text
