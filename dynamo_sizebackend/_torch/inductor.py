@@ -173,9 +173,11 @@ def aot_compile_package(
         # Export's functionalization reads ``out.storage()`` (TypedStorage is deprecated).
         warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
         exported = torch.export.export(module, tuple(args), strict=False)
-        torch._inductor.aoti_compile_and_package(
-            exported, package_path=path, inductor_configs=dict(inductor_options)
-        )
+        # A dict of our own: AOTInductor writes its device facts into the one it finds
+        # (codecache.py, ``metadata["AOTI_DEVICE_KEY"] = ...``), which would otherwise be
+        # the config's default, changing the key of every later compile in the process.
+        configs = {**inductor_options, "aot_inductor.metadata": {}}
+        torch._inductor.aoti_compile_and_package(exported, package_path=path, inductor_configs=configs)
 
 
 def aot_load_package(path: str) -> Any:

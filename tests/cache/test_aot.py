@@ -150,3 +150,17 @@ def test_cache_info_shows_each_kind(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "aot: 2 entries" in text and "(by size: 2: 1, 4: 1)" in text
     assert "jit: 2 entries" in text
+
+
+@torch.no_grad()
+def test_an_aot_compile_leaves_later_keys_alone(tmp_path):
+    # AOTInductor writes its device facts into the config dict it finds; were that the
+    # global default, every later key in the process would change (a warm process that
+    # loads its packages instead would then miss every JIT piece compiled after them).
+    from dynamo_sizebackend._torch import inductor
+
+    gm = torch.fx.symbolic_trace(MLP())
+    before = inductor.compile_environment_key(gm, [_x(2)])
+    inductor.aot_compile_package(MLP(), [_x(2)], {"freezing": True}, str(tmp_path / "m.pt2"))
+    assert torch._inductor.config.aot_inductor.metadata == {}
+    assert inductor.compile_environment_key(gm, [_x(2)]) == before
