@@ -5,7 +5,8 @@ of the suite turns off with ``SIZEBACKEND_SIZED_INDUCTOR_OPTIONS={}``.
 
 Before issue 21 the second ``generate()`` at a batch size crashed in a cache-update
 kernel of a frozen sized piece: the static cache's ``cumulative_length`` (a tensor of
-the cache object the call passes) had been frozen as a constant.
+the cache object the call passes) had been frozen as a constant. Since issue 18 the
+frozen sized pieces are stored as AOTInductor packages, and a restart loads them.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import pytest
 import torch
 
 import dynamo_sizebackend as sb
+from dynamo_sizebackend.cache import store
+from dynamo_sizebackend.cache.store import DiskCache
 
 from .test_hf_generate import counting_forward, generate, prompt, tiny_llama
 
@@ -28,17 +31,35 @@ def real_defaults(monkeypatch):
 
 @pytest.mark.inductor
 @torch.no_grad()
-def test_generate_with_inductor_and_the_default_options(real_defaults):
+def test_generate_with_inductor_and_the_default_options(real_defaults, tmp_path):
     model = tiny_llama()
+    # Else the defaults; batch 4 runs the general pieces (one tuned size keeps CI short).
+    options = {"compile_sizes": [1, 2], "cache_dir": str(tmp_path)}
     scenario = [prompt(n, 0) for n in BATCHES for _ in range(2)]  # two generate() per batch
     expected = [generate(model, inputs, cache_implementation="static") for inputs in scenario]
-    model.forward = counting_forward(model, {"compile_sizes": [1, 2, 4]})
+    eager_forward = model.forward
+    model.forward = counting_forward(model, options)
     for inputs, want in zip(scenario, expected):
         assert torch.equal(generate(model, inputs, cache_implementation="static"), want)
     s = sb.stats()
-    assert s.cache_skips.get("frozen", 0) > 0  # the sized pieces did freeze the weights
+    # The sized pieces froze the weights and were stored as AOT packages (issue 18).
+    packages = [e for e in DiskCache(str(tmp_path)).entries()[0] if e.kind == "aot"]
+    assert packages and s.cache_misses >= len(packages)
     assert "frozen_weights" not in s.fallbacks  # and nothing they froze ever changed
     assert sum(s.calls.values()) == model.forward.calls
+
+    # A restart (what a new process starts without): every sized piece loads, none
+    # compiles; tokens identical.
+    torch._dynamo.reset()
+    store.forget_shared()
+    model.forward = eager_forward
+    model.forward = counting_forward(model, options)
+    before = sb.stats()
+    for inputs, want in zip(scenario[::2], expected[::2]):
+        assert torch.equal(generate(model, inputs, cache_implementation="static"), want)
+    after = sb.stats()
+    assert after.compiles.get("2", 0) == before.compiles.get("2", 0), after.compiles
+    assert after.cache_hits - before.cache_hits >= len(packages)
 
     # Weights reloaded in place after compiling (a new checkpoint): every frozen size
     # sees it once and recompiles; tokens follow the new weights.
