@@ -9,10 +9,11 @@ The order matters in two places:
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import torch
 import torch.fx
@@ -184,13 +185,17 @@ class GraphCompiler:
         general: Program,
         graph_inputs: list[Any],
         args: tuple[Any, ...] | None = None,
+        session: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
     ) -> Program | None:
         """Specialized pieces for ``size``, or ``None`` if any piece failed (the size is
         then served by the general pieces: a half-specialized program buys nothing).
         The program checks the shape guards its compiles added (:mod:`.guards`) and,
         where it froze tensors, that they did not change (:class:`.freeze.FrozenWeights`,
         recorded before the first piece compiles). ``args``: the call that asked for the
-        size (lazy mode, a retired size), whose tensors are the ones to freeze."""
+        size (lazy mode, a retired size), whose tensors are the ones to freeze.
+        ``session``: held around each piece's compile, not the whole size (a compile
+        the backend starts itself holds Dynamo's compile lock, so a graph Dynamo traces
+        meanwhile waits for one piece at most, not for every piece of the size)."""
         key = size_key(size)
         concrete = ConcreteInputs(symbol, size)
         frozen_now = self._frozen_now(args)
@@ -216,9 +221,10 @@ class GraphCompiler:
                 piece_inputs = [piece_inputs[i] for i in keep]
             try:
                 example = concrete.convert(piece_inputs)
-                pieces[piece.name] = self._compile(
-                    piece.name, sub, example, size, key, fake_mode=concrete.fake_mode, keep=keep
-                )
+                with session():
+                    pieces[piece.name] = self._compile(
+                        piece.name, sub, example, size, key, fake_mode=concrete.fake_mode, keep=keep
+                    )
             except Exception as e:  # counted, logged, visible in stats; strict raises
                 self.fallbacks.record(key, piece.name, e)
                 return None
@@ -296,8 +302,9 @@ class GraphCompiler:
             return self.compile_size(sg, recorder.inputs, symbol, size, general, fakes, args)
 
         def compile_size_later(size: int, args: tuple[Any, ...] | None = None) -> Program | None:
-            with dynamo.compile_session():  # lazy and background modes, retired sizes
-                return compile_size(size, args)
+            # lazy and background modes, retired sizes
+            return self.compile_size(sg, recorder.inputs, symbol, size, general, fakes, args,
+                                     session=dynamo.compile_session)
 
         mode = self.options.compile_mode
         by_size: dict[int, Program] = {}

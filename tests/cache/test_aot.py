@@ -164,3 +164,39 @@ def test_an_aot_compile_leaves_later_keys_alone(tmp_path):
     inductor.aot_compile_package(MLP(), [_x(2)], {"freezing": True}, str(tmp_path / "m.pt2"))
     assert torch._inductor.config.aot_inductor.metadata == {}
     assert inductor.compile_environment_key(gm, [_x(2)]) == before
+
+
+class _Writer(torch.nn.Module):
+    """Writes its result into a cache tensor the caller passes (as a KV cache update)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x, cache):
+        y = self.lin(x)
+        cache[: x.shape[0]].copy_(y)
+        return y * 2
+
+
+@torch.no_grad()
+def test_a_piece_that_writes_an_input_is_never_a_package(tmp_path):
+    # torch 2.13's AOTInductor with freezing returns the right outputs but drops the
+    # write to the input (checked by hand: the cache stayed zero). So such a piece
+    # compiles on the JIT path, and the write happens.
+    torch.manual_seed(0)
+    model = _Writer().eval()
+    # Only the batch dim dynamic: the cache's shape is static, so the write is the one
+    # reason the size-4 piece is not packaged.
+    compiled = torch.compile(model, backend="sizebackend",
+                             options={**FREEZE, "cache_dir": str(tmp_path)})
+    with sb.expect(compiles={"dynamic": 1, 4: 1}, cache_skips={"frozen": 1}):
+        for n in (3, 4):
+            x = _x(n)
+            if n == 3:
+                torch._dynamo.mark_dynamic(x, 0)
+            got, want = torch.zeros(8, 16), torch.zeros(8, 16)
+            torch.testing.assert_close(compiled(x, got), model(x, want), **TOL)
+            torch.testing.assert_close(got, want, **TOL)
+            assert got[:n].abs().sum() > 0
+    assert _kinds(tmp_path) == {"jit": 1}

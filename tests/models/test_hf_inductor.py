@@ -48,8 +48,10 @@ def test_generate_with_inductor_and_the_default_options(real_defaults, tmp_path)
     assert "frozen_weights" not in s.fallbacks  # and nothing they froze ever changed
     assert sum(s.calls.values()) == model.forward.calls
 
-    # A restart (what a new process starts without): every sized piece loads, none
-    # compiles; tokens identical.
+    # A restart (what a new process starts without): every stored sized piece loads;
+    # only the frozen pieces on the JIT path compile again: those that write the static
+    # cache (torch 2.13's AOTInductor with freezing drops writes to inputs, so they are
+    # never packaged). Tokens identical.
     torch._dynamo.reset()
     store.forget_shared()
     model.forward = eager_forward
@@ -58,7 +60,9 @@ def test_generate_with_inductor_and_the_default_options(real_defaults, tmp_path)
     for inputs, want in zip(scenario[::2], expected[::2]):
         assert torch.equal(generate(model, inputs, cache_implementation="static"), want)
     after = sb.stats()
-    assert after.compiles.get("2", 0) == before.compiles.get("2", 0), after.compiles
+    recompiled = after.compiles.get("2", 0) - before.compiles.get("2", 0)
+    unstored = after.cache_skips.get("frozen", 0) - before.cache_skips.get("frozen", 0)
+    assert recompiled == unstored, (after.compiles, after.cache_skips)
     assert after.cache_hits - before.cache_hits >= len(packages)
 
     # Weights reloaded in place after compiling (a new checkpoint): every frozen size
