@@ -32,10 +32,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
+
+import _child
 
 
 def _inputs(torch, vocab: int, tokens: int):
@@ -91,12 +92,7 @@ def child(spec: dict) -> dict:
 
 
 def measure(spec: dict, inductor_dir: str, cache_dir: str) -> dict:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_dir, SIZEBACKEND_CACHE_DIR=cache_dir)
-    run = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env,
-                         capture_output=True, text=True)
-    if run.returncode != 0:
-        raise RuntimeError(f"{spec} failed:\n{run.stderr[-4000:]}")
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result, _, _ = _child.run(__file__, spec, inductor_dir, cache_dir)
     s = result["stats"]
     print(f"  {spec['label']:<48} {result['compile']:6.1f}s  first call {result['first']:5.1f}s  "
           f"compiles {sum(s['compiles'].values()):2d} reused {s['reused']:2d} "

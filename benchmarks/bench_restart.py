@@ -30,10 +30,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
+
+import _child
 
 
 def child(spec: dict) -> dict:
@@ -94,15 +95,8 @@ def child(spec: dict) -> dict:
 
 
 def measure(spec: dict, inductor_dir: str, cache_dir: str) -> dict:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_dir, SIZEBACKEND_CACHE_DIR=cache_dir)
-    env.pop("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS", None)  # the real defaults
-    start = time.time()
-    run = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env,
-                         capture_output=True, text=True)
-    end = time.time()
-    if run.returncode != 0:
-        raise RuntimeError(f"{spec} failed:\n{run.stderr[-4000:]}")
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result, start, end = _child.run(__file__, spec, inductor_dir, cache_dir,
+                                    drop_env=("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS",))  # real defaults
     result["process"] = end - start
     for name, stamp in result.pop("stamps").items():
         result[name] = stamp - start

@@ -23,6 +23,19 @@ cannot take, compiles on the JIT path as before, counted in
 ``cache_skips["frozen"]`` (and ``cache_skips["aot_failed"]`` for a failure, logged once
 per reason).
 
+Never built on the background thread (``compile_mode="background"``), only loaded:
+torch's AOT compile sets process-wide flags for its whole duration
+(``torch.compiler._is_compiling_flag`` and ``_is_exporting_flag``, see
+``torch._export.utils._compiling_state_context``), so every other thread's compiled
+code sees ``is_compiling()`` and ``is_exporting()`` true meanwhile; measured: a call
+of the compiled Llama on the main thread while the background thread built a package
+raised ``KeyError: 'custom'`` in ``fx.traceback.annotate``, which Dynamo's wrapper
+enters only when exporting. The background thread compiles such a piece on the JIT
+path (``cache_skips["frozen"]``); an eager or lazy start stores it. The same flags
+are set while an eager or lazy compile builds a package: a server whose other threads
+call compiled code at that moment would meet the same; build the packages at startup
+(``compile_mode="eager"``, the default) before serving from several threads.
+
 An AOT package is called through its loader's flat ``run(tensors)``: the piece's int
 arguments are constants of the package (static at this size), so only its tensor
 arguments are passed.
@@ -122,11 +135,13 @@ def compile_or_load(
     *,
     key: str,
     name: str,
+    build: bool = True,
 ) -> Callable[..., Any] | None:
     """The frozen piece ``gm`` (taking the split graph's arguments at ``keep``, with
     concrete fake ``example`` inputs) as an AOT package: loaded from the cache, or
     compiled, stored and loaded; ``None`` when it cannot be one (the caller compiles it
-    on the JIT path). ``key``: the stats key of the size."""
+    on the JIT path). ``key``: the stats key of the size. ``build=False``: load only
+    (see the module docstring: a background thread never builds one)."""
     if cache.disk is None or static_reason(example) is not None:
         return None
     artifact_key = cache.key(gm, example, runtime_size, {**config, "sizebackend_kind": KIND})
@@ -142,6 +157,8 @@ def compile_or_load(
     found = cache.lookup(artifact_key, gm, name, kind=KIND)
     if found is not None:
         return wrap(found)
+    if not build:
+        return None
     with cache.claim(artifact_key, name):
         found = cache.lookup_again(artifact_key, stamp, gm, name, kind=KIND)
         if found is not None:  # another process compiled it while this one waited

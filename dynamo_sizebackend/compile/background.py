@@ -43,6 +43,11 @@ class BackgroundJob(threading.Thread):
                     self.runner.publish(size, program)
 
 
+def on_background_thread() -> bool:
+    """Whether the caller runs on a background compile thread."""
+    return isinstance(threading.current_thread(), BackgroundJob)
+
+
 def start(runner: Runner, sizes: list[int], compile_size: Callable[[int], Program | None]) -> None:
     job = BackgroundJob(runner, sizes, compile_size)
     LIVE_JOBS.add(job)

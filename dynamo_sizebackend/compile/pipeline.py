@@ -119,7 +119,7 @@ class GraphCompiler:
             return None
         return aot.compile_or_load(
             self.cache, gm, inputs, keep, size, self.adaptor.config_for(size), key=key,
-            name=f"graph{self.graph_id}_{name}",
+            name=f"graph{self.graph_id}_{name}", build=not background.on_background_thread(),
         )
 
     def _frozen_now(self, args: tuple[Any, ...] | None) -> dict[str, freeze.Freezable]:
