@@ -150,19 +150,8 @@ def compile_or_load(
     positions = [keep[i] for i, v in enumerate(example) if isinstance(v, torch.Tensor)]
     outputs = _outputs(gm)
 
-    def wrap(package: Any) -> AotPiece:
-        return AotPiece(package, positions, outputs)
-
-    stamp = cache.stamp(artifact_key)
-    found = cache.lookup(artifact_key, gm, name, kind=KIND)
-    if found is not None:
-        return wrap(found)
-    if not build:
-        return None
-    with cache.claim(artifact_key, name):
-        found = cache.lookup_again(artifact_key, stamp, gm, name, kind=KIND)
-        if found is not None:  # another process compiled it while this one waited
-            return wrap(found)
+    def make() -> Any:
+        """Compile, store and load the package; ``None`` where it cannot be built."""
         fd, path = tempfile.mkstemp(prefix="sizebackend-aot-", suffix=".pt2")
         os.close(fd)
         try:
@@ -183,6 +172,9 @@ def compile_or_load(
             with open(path, "rb") as f:
                 payload = f.read()
             cache.store_payload(artifact_key, package, payload, key, name, kind=KIND)
+            return package
         finally:
             os.unlink(path)
-    return wrap(package)
+
+    package = cache.find_or_make(artifact_key, gm, name, make if build else None, kind=KIND)
+    return AotPiece(package, positions, outputs) if package is not None else None

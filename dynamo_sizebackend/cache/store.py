@@ -365,6 +365,23 @@ class PieceCache:
             return None
         return self.lookup(key, gm, name, kind=kind, shared=False)
 
+    def find_or_make(self, key: str, gm: torch.fx.GraphModule, name: str,
+                     make: Callable[[], Any] | None, kind: str = "jit") -> Any:
+        """The entry for ``key`` from memory or disk; on a miss, ``make()`` (which
+        compiles and stores it) under :meth:`claim`, unless another process wrote the
+        entry while this one waited for the lock. ``make=None``: load only, ``None`` on
+        a miss."""
+        stamp = self.stamp(key)
+        found = self.lookup(key, gm, name, kind=kind)
+        if found is None and make is not None:
+            with self.claim(key, name):  # one compile among processes sharing the disk
+                found = self.lookup_again(key, stamp, gm, name, kind=kind)
+                if found is None:
+                    return make()
+        if found is not None:
+            log.debug("reused %s (key %s)", name, key[:12])
+        return found
+
     @contextlib.contextmanager
     def claim(self, key: str, name: str) -> Iterator[None]:
         """Hold the right to compile ``key`` among the processes sharing the folder:

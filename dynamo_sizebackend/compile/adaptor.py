@@ -111,21 +111,15 @@ def compile_piece(
     if artifact_key is None:
         return _compile_and_count(adaptor, gm, example_inputs, runtime_size, fake_mode, key,
                                   debug_dir, debug_name)
-    stamp = cache.stamp(artifact_key)
-    found = cache.lookup(artifact_key, gm, debug_name)
-    if found is not None:
-        log.debug("reused %s for size %s (key %s)", debug_name, key, artifact_key[:12])
-        return found
-    with cache.claim(artifact_key, debug_name):  # one compile among processes sharing the disk
-        found = cache.lookup_again(artifact_key, stamp, gm, debug_name)
-        if found is not None:  # another process wrote it while this one waited
-            return found
+    def make() -> CompiledPiece:
         shape_facts = shape_env.shape_env_state(example_inputs)
         compiled = _compile_and_count(adaptor, gm, example_inputs, runtime_size, fake_mode, key,
                                       debug_dir, debug_name)
         guarded = shape_env.shape_env_state(example_inputs) != shape_facts
         cache.store(artifact_key, compiled, key, debug_name, guarded=guarded)
-    return compiled
+        return compiled
+
+    return cache.find_or_make(artifact_key, gm, debug_name, make)
 
 
 def _compile_and_count(adaptor, gm, example_inputs, runtime_size, fake_mode, key, debug_dir,
