@@ -7,10 +7,11 @@ splits the Dynamo graph at attention ops, compiles every piece once for the gene
 __version__ = "0.1.0"
 
 from . import ops  # noqa: E402,F401  (registers the sizebackend:: op library)
+from .cache.package_worker import wait_for_packages  # noqa: E402
 from .compile.failures import SizeCompileError  # noqa: E402
 from .compile.freeze import weights_updated  # noqa: E402
 from .options import SizeBackendOptions, check_options, parse_options  # noqa: E402
 from .stats import expect, reset_stats, stats  # noqa: E402
 
 __all__ = ["SizeBackendOptions", "SizeCompileError", "parse_options", "check_options", "stats", "reset_stats", "expect",
-           "weights_updated"]
+           "weights_updated", "wait_for_packages"]

@@ -42,6 +42,8 @@ DEFAULT_SPLITTING_OPS: tuple[str, ...] = (
 #:   nothing (the template never applies).
 #: - cuda: what vLLM compiles its single sizes with (max-autotune, coordinate descent).
 #: Both keep Inductor's autotune tables and stats off stderr.
+STORE_FROZEN = (True, False, "worker", "inline")
+
 SIZED_DEFAULTS: dict[str, dict[str, Any]] = {
     "cpu": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
             "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False},
@@ -184,12 +186,21 @@ class SizeBackendOptions:
     """On-disk artifact cache; ``None`` disables it (identical pieces are still compiled
     once per process and shared). See ``cache/store.py``."""
 
-    store_frozen: bool = True
+    store_frozen: bool | str = True
     """With ``cache_dir`` set: sized pieces whose weights are frozen are compiled ahead
     of time with AOTInductor and stored, weights included, so that a restart loads them
     instead of compiling them again (``cache/aot.py``; torch cannot save a frozen JIT
-    compile). Costs disk (one copy of the frozen weights per listed size) and some
-    compile time on a cold start. ``False``: they compile on the JIT path at every start."""
+    compile). Costs disk (one copy of the frozen weights per listed size).
+    ``True`` or ``"worker"``: a piece that misses is compiled on the JIT path to serve
+    at once and its package built by a worker process meanwhile
+    (``cache/package_worker.py``); ``"inline"``: built in this process before the size
+    serves; ``False``: they compile on the JIT path at every start, never stored."""
+
+    prune_autotune: bool = True
+    """On CPU, with max-autotune in the sized options: benchmark only the GEMM
+    candidates that can win (``_torch/autotune.py``: measured, the C++ template always
+    wins at <= 4 rows and ATen at >= 16, so only sizes between benchmark both). A cold
+    compile then builds far fewer candidates; ``False``: Inductor's full search."""
 
     debug_dir: str | None = None
     """Write each piece's graph and generated code here. Turns the artifact cache and the
@@ -242,7 +253,10 @@ class SizeBackendOptions:
                 raise _fail("sized_inductor_options", sized,
                             "has no effect with compiler='eager' (pieces run uncompiled); "
                             "drop it or use compiler='inductor'")
-        for name in ("cudagraphs", "pad_to_size", "strict", "direct_calls", "store_frozen"):
+        if not any(type(self.store_frozen) is type(v) and self.store_frozen == v for v in STORE_FROZEN):
+            raise _fail("store_frozen", self.store_frozen,
+                        "must be True, False, 'worker' or 'inline'")
+        for name in ("cudagraphs", "pad_to_size", "strict", "direct_calls", "prune_autotune"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "must be True or False")
         if not _is_int(self.cudagraph_warmups) or self.cudagraph_warmups < 1:
@@ -268,6 +282,12 @@ class SizeBackendOptions:
         if self.sized_inductor_options is not None:
             return dict(self.sized_inductor_options)
         return dict(SIZED_DEFAULTS.get(device_type, {}))
+
+    def frozen_store_mode(self) -> str | None:
+        """How frozen sized pieces are stored: ``"worker"``, ``"inline"`` or ``None``."""
+        if self.store_frozen is False:
+            return None
+        return "worker" if self.store_frozen is True else self.store_frozen
 
     def __hash__(self) -> int:  # inductor_options is a dict; hash what defines code
         return hash(self.code_key())

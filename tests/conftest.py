@@ -25,6 +25,11 @@ def _fresh_dynamo():
     sb.reset_stats()
     yield
     torch._dynamo.reset()
+    # No package build outlives its test (the real defaults hand frozen pieces to the
+    # worker process): it would share the cores with the next test and write into a
+    # tmp_path pytest removes.
+    left = sb.wait_for_packages(timeout=900).pending
+    assert left == 0, f"{left} package build(s) still running after 900 s"
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
+from . import autotune
 from .dynamo import COMPILE_LOCK
 
 
@@ -38,8 +39,9 @@ def standalone_compile(
     while Dynamo compiles another graph) could save one piece's code as the other's,
     and the artifact cache would then serve it to every later process.
     """
+    inductor_options, prune = autotune.split(inductor_options)
     options = {"config_patches": dict(inductor_options)} if inductor_options else {}
-    with COMPILE_LOCK, _quiet_when_frozen(inductor_options):
+    with COMPILE_LOCK, _quiet_when_frozen(inductor_options), autotune.pruning(prune):
         if from_graph:
             return torch._inductor.standalone_compile(
                 gm, example_inputs, dynamic_shapes="from_graph", options=options
@@ -169,7 +171,9 @@ def aot_compile_package(
 
     # Outside any tracing context: a size compiled as Dynamo's graph arrives runs inside
     # Dynamo's, and AOTInductor's freezing would read that one's (empty) parameters.
-    with COMPILE_LOCK, torch._guards.tracing(None), warnings.catch_warnings():
+    inductor_options, prune = autotune.split(inductor_options)
+    with COMPILE_LOCK, torch._guards.tracing(None), warnings.catch_warnings(), \
+            autotune.pruning(prune):
         # Export's functionalization reads ``out.storage()`` (TypedStorage is deprecated).
         warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
         exported = torch.export.export(module, tuple(args), strict=False)

@@ -53,11 +53,14 @@ import torch.fx
 
 from .._torch import inductor
 from ..stats import COUNTERS
+from . import package_worker
 from .store import PieceCache
 
 log = logging.getLogger(__name__)
 
 KIND = "aot"
+SENT = object()
+"""What :func:`compile_or_load` returns for a piece handed to the package worker."""
 
 
 def static_reason(inputs: Sequence[Any]) -> str | None:
@@ -136,12 +139,16 @@ def compile_or_load(
     key: str,
     name: str,
     build: bool = True,
-) -> Callable[..., Any] | None:
+    mode: str = "inline",
+) -> Callable[..., Any] | object | None:
     """The frozen piece ``gm`` (taking the split graph's arguments at ``keep``, with
     concrete fake ``example`` inputs) as an AOT package: loaded from the cache, or
     compiled, stored and loaded; ``None`` when it cannot be one (the caller compiles it
-    on the JIT path). ``key``: the stats key of the size. ``build=False``: load only
-    (see the module docstring: a background thread never builds one)."""
+    on the JIT path, counted as ``cache_skips["frozen"]``). ``key``: the stats key of the
+    size. ``mode="inline"`` builds a missing package here (``build=False``: load only;
+    see the module docstring: a background thread never builds one inline);
+    ``mode="worker"`` sends it to the package worker (``cache/package_worker.py``) and
+    returns :data:`SENT`: the caller compiles the piece on the JIT path to serve now."""
     if cache.disk is None or static_reason(example) is not None:
         return None
     artifact_key = cache.key(gm, example, runtime_size, {**config, "sizebackend_kind": KIND})
@@ -176,5 +183,16 @@ def compile_or_load(
         finally:
             os.unlink(path)
 
-    package = cache.find_or_make(artifact_key, gm, name, make if build else None, kind=KIND)
+    if mode == "worker":  # never waits: served on the JIT path, the worker stores it
+        package = cache.lookup(artifact_key, gm, name, kind=KIND)
+        if package is None:
+            if cache.disk is not None:
+                COUNTERS.add("cache_misses")
+            tensors = [v for v in example if isinstance(v, torch.Tensor)]
+            sent = package_worker.submit(
+                module=_Bound(gm, example), tensors=tensors, config=config,
+                cache_dir=cache.disk.root, key=artifact_key, size=key, name=name)
+            return SENT if sent else None
+    else:
+        package = cache.find_or_make(artifact_key, gm, name, make if build else None, kind=KIND)
     return AotPiece(package, positions, outputs) if package is not None else None

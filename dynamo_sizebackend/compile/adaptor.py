@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Protocol
 
 import torch.fx
 
-from .._torch import direct_call, inductor, shape_env
+from .._torch import autotune, direct_call, inductor, shape_env
 from ..cache.store import PieceCache
 from ..options import SizeBackendOptions
 from ..stats import COUNTERS
@@ -56,9 +56,12 @@ class InductorAdaptor:
 
     name = "inductor"
 
-    def __init__(self, inductor_options: Mapping[str, Any], sized_options: Mapping[str, Any] = {}):
+    def __init__(self, inductor_options: Mapping[str, Any], sized_options: Mapping[str, Any] = {},
+                 prune_autotune: bool = False):
         self.inductor_options = dict(inductor_options)
         self.sized_options = {**self.inductor_options, **sized_options}
+        if prune_autotune and self.sized_options.get("max_autotune"):  # see _torch/autotune.py
+            self.sized_options[autotune.OPTION] = True
 
     def config_for(self, runtime_size: int | None) -> dict[str, Any]:
         """The Inductor config patches of a compile for ``runtime_size``."""
@@ -78,7 +81,8 @@ def make_adaptor(options: SizeBackendOptions, device_type: str = "cpu") -> Compi
     """The adaptor of ``options`` for a graph whose inputs live on ``device_type``."""
     if options.compiler == "eager":
         return EagerAdaptor()
-    return InductorAdaptor(options.inductor_options, options.sized_options_for(device_type))
+    return InductorAdaptor(options.inductor_options, options.sized_options_for(device_type),
+                           prune_autotune=options.prune_autotune and device_type == "cpu")
 
 
 def size_key(runtime_size: int | None) -> str:

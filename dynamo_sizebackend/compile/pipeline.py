@@ -89,10 +89,11 @@ class GraphCompiler:
         (``cache_skips["frozen"]``)."""
         if keep is not None:
             stored = self._stored_frozen(name, gm, inputs, size, key, keep)
-            if stored is not None:
+            if stored is None:
+                COUNTERS.add_keyed("cache_skips", "frozen")
+            elif stored is not aot.SENT:  # SENT: the worker stores it, the JIT path serves
                 self.progress.step()
                 return stored
-            COUNTERS.add_keyed("cache_skips", "frozen")
         compiled = compile_piece(
             self.adaptor, gm, list(inputs), size, key=key, fake_mode=fake_mode,
             debug_dir=self.options.debug_dir, debug_name=f"graph{self.graph_id}_{name}",
@@ -111,15 +112,17 @@ class GraphCompiler:
     def _stored_frozen(self, name: str, gm, inputs, size, key, keep) -> CompiledPiece | None:
         """The frozen piece as an AOT package (loaded or compiled and stored), or
         ``None`` where it cannot be one (see ``cache/aot.py``)."""
+        mode = self.options.frozen_store_mode()
         if (
             self.cache is None
-            or not self.options.store_frozen
+            or mode is None
             or self._mutated.get(name)  # AOT packages would need export's mutation handling
         ):
             return None
         return aot.compile_or_load(
             self.cache, gm, inputs, keep, size, self.adaptor.config_for(size), key=key,
             name=f"graph{self.graph_id}_{name}", build=not background.on_background_thread(),
+            mode=mode,
         )
 
     def _frozen_now(self, args: tuple[Any, ...] | None) -> dict[str, freeze.Freezable]:

@@ -23,7 +23,7 @@ from ..nets import MLP, compile_sb
 
 pytestmark = pytest.mark.inductor
 
-FREEZE = {"compile_sizes": [4], "sized_inductor_options": {"freezing": True}}
+FREEZE = {"compile_sizes": [4], "sized_inductor_options": {"freezing": True}, "store_frozen": "inline"}
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
@@ -231,3 +231,23 @@ def test_the_background_thread_loads_packages_but_never_builds_one(tmp_path):
     compiled = compile_sb(model, **background)
     with sb.expect(compiles={}, cache_hits=2):
         serve_until_size_4(compiled, model)
+
+
+@torch.no_grad()
+def test_by_default_the_package_is_built_by_a_worker_while_the_jit_piece_serves(tmp_path):
+    """The real default (``store_frozen=True``): the cold start's size 4 is served by a
+    JIT compile at once, the worker process stores its package, the restart loads it."""
+    torch.manual_seed(0)
+    model = MLP().eval()
+    before = sb.wait_for_packages()
+    with sb.expect(compiles={"dynamic": 1, 4: 1}, cache_misses=2, cache_hits=0, cache_skips={}):
+        _, cold = _run(model, tmp_path, store_frozen=True)
+    done = sb.wait_for_packages(timeout=300)
+    assert (done.pending, done.failed - before.failed) == (0, 0), done.errors
+    assert done.stored - before.stored == 1
+    assert _kinds(tmp_path) == {"jit": 1, "aot": 1}
+
+    _restart()
+    with sb.expect(compiles={}, cache_hits=2, cache_misses=0, calls={"dynamic": 1, 4: 1}):
+        _, warm = _run(model, tmp_path, store_frozen=True)
+    torch.testing.assert_close(warm[4], cold[4], **TOL)

@@ -1,11 +1,14 @@
 """Per-size tuning: Inductor patches only for the pieces of a listed size, and constant
 (frozen) weights for them, with the weights' later changes caught."""
+from types import SimpleNamespace
+
 import pytest
 import torch
+from torch._inductor.select_algorithm import ExternKernelCaller
 
 import dynamo_sizebackend as sb
 from dynamo_sizebackend import parse_options
-from dynamo_sizebackend._torch import direct_call, inductor
+from dynamo_sizebackend._torch import autotune, direct_call, inductor
 from dynamo_sizebackend.options import SIZED_DEFAULTS
 
 from ..nets import MLP, TinyTransformer, batch, compile_sb
@@ -146,3 +149,61 @@ def test_grad_mode_on_compiles_sized_pieces_unfrozen():
     assert "frozen" not in sb.stats().cache_skips
     with torch.no_grad():
         torch.testing.assert_close(out, model(batch(4)), **TOL)
+
+
+class _Template:
+    """A GEMM candidate as ``autotune.prune`` sees it: its output layout and its kind."""
+
+    def __init__(self, rows, device="cpu"):
+        self.layout = SimpleNamespace(size=[rows, 64], device=torch.device(device))
+
+
+class _Aten(_Template, ExternKernelCaller):  # ATen's candidates are ExternKernelCallers
+    pass
+
+
+@pytest.mark.parametrize("rows, kept", [(1, "template"), (4, "template"), (8, "both"),
+                                        (16, "aten"), (256, "aten")])
+def test_autotune_pruning_keeps_the_kind_that_wins_at_that_many_rows(rows, kept):
+    choices = [_Template(rows), _Aten(rows)]
+    with autotune.pruning(False):
+        assert autotune.prune(choices) == choices  # off: Inductor's full search
+    with autotune.pruning(True):
+        out = autotune.prune(choices)
+        gpu = [_Template(rows, "cuda"), _Aten(rows, "cuda")]
+        assert autotune.prune(gpu) == gpu  # GPU choices are never touched
+    assert [type(c) for c in out] == {"template": [_Template], "aten": [_Aten],
+                                      "both": [_Template, _Aten]}[kept]
+
+
+@pytest.mark.inductor
+@torch.no_grad()
+def test_the_default_tuning_benchmarks_no_gemm_that_measurement_decided(monkeypatch):
+    """The real CPU default (freeze + max-autotune, ``prune_autotune=True``): at 2 rows
+    only the C++ template and at 32 rows only ATen are built, nothing is benchmarked;
+    with ``prune_autotune=False`` the same size benchmarks both."""
+    from torch._inductor import select_algorithm
+
+    monkeypatch.delenv("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS")
+    benchmarked = []
+    select_algorithm.add_feedback_saver(lambda timings, name, *rest: benchmarked.append(name))
+    try:
+        model = MLP().eval()
+        before = dict(autotune.DECISIONS)
+        compiled = compile_sb(model, compile_sizes=[2, 32], cache_dir=None)
+        for n in (3, 2, 32):
+            x = torch.randn(n, 16)
+            torch.testing.assert_close(compiled(x), model(x), **TOL)
+        made = {k: v - before.get(k, 0) for k, v in autotune.DECISIONS.items()}
+        assert made.get("template", 0) >= 1 and made.get("aten", 0) >= 1, made
+        assert made.get("both", 0) == 0 and benchmarked == []
+        assert sb.stats().compiles == {"dynamic": 1, "2": 1, "32": 1}
+
+        torch._dynamo.reset()
+        full = compile_sb(model, compile_sizes=[2], cache_dir=None, prune_autotune=False)
+        for n in (3, 2):
+            x = torch.randn(n, 16)
+            torch.testing.assert_close(full(x), model(x), **TOL)
+        assert benchmarked, "the unpruned search benchmarked nothing"
+    finally:
+        select_algorithm.clear_feedback_savers()

@@ -42,7 +42,8 @@ def test_generate_with_inductor_and_the_default_options(real_defaults, tmp_path)
     for inputs, want in zip(scenario, expected):
         assert torch.equal(generate(model, inputs, cache_implementation="static"), want)
     s = sb.stats()
-    # The sized pieces froze the weights and were stored as AOT packages (issue 18).
+    # The sized pieces froze the weights; the package worker stored them (issue 18).
+    assert sb.wait_for_packages(timeout=600).pending == 0
     packages = [e for e in DiskCache(str(tmp_path)).entries()[0] if e.kind == "aot"]
     assert packages and s.cache_misses >= len(packages)
     assert "frozen_weights" not in s.fallbacks  # and nothing they froze ever changed

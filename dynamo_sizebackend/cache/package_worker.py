@@ -1,0 +1,273 @@
+"""AOT packages built in a worker process while the compiling process serves.
+
+Why a process: an AOTInductor build of a frozen piece costs two to three times its JIT
+compile on CPU (export, lowering, and a C++ build of the wrapper besides the kernels;
+measured on the tiny Llama: 21 s per package against 9 s per JIT piece), and torch's
+AOT compile sets process-wide flags (``is_compiling``, ``is_exporting``) that break
+other threads' compiled code meanwhile (see ``cache/aot.py``). So with
+``store_frozen=True`` (``"worker"``) a frozen sized piece that misses the cache is
+compiled on the JIT path to serve at once, and a copy of it (the frozen ``fx`` graph,
+its constants, the shapes of its inputs and the Inductor config) is handed to one
+long-lived worker process, which builds the package and writes it into the cache for
+the next start. ``store_frozen="inline"`` builds it in the compiling process instead
+(the first answer waits for it).
+
+The worker:
+
+- is started on the first job (``python -m dynamo_sizebackend.cache.package_worker``)
+  with the caller's environment (``TORCHINDUCTOR_CACHE_DIR`` included) at a lower
+  priority (``os.nice``), so its C++ builds yield the cores to serving;
+- reads one job file path per line on stdin and answers one JSON line per job on
+  stdout; a thread of the parent reads the answers (a failed build is counted in
+  ``cache_skips["aot_failed"]`` and logged, once per process at warning level);
+- takes the entry's lock (:meth:`.store.PieceCache.claim`) and looks again before it
+  builds, so N processes sharing one ``cache_dir`` build each package once between
+  them, and a process started meanwhile waits for the lock only if it wants to build
+  the same entry (a serving process never waits: it compiles on the JIT path);
+- outlives its parent only to finish the jobs already sent (stdin reaches its end
+  when the parent exits), then exits. :func:`wait_for_packages` blocks until every job
+  sent so far is answered: a script that must leave a warm cache behind, a benchmark
+  or a test, calls it before it exits.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import IO, Any, Mapping, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+Spec = tuple[list[int], list[int], str, str]  # shape, stride, dtype, device
+
+
+def spec_of(value: torch.Tensor) -> Spec:
+    return ([int(s) for s in value.shape], [int(s) for s in value.stride()],
+            str(value.dtype).removeprefix("torch."), str(value.device))
+
+
+def _zeros(spec: Spec) -> torch.Tensor:
+    shape, stride, dtype, device = spec
+    return torch.empty_strided(shape, stride, dtype=getattr(torch, dtype), device=device).zero_()
+
+
+@dataclass
+class Summary:
+    """What :func:`wait_for_packages` reports: jobs by outcome since the process started."""
+
+    stored: int = 0  # built and written
+    present: int = 0  # another process had written it meanwhile
+    failed: int = 0
+    pending: int = 0
+    seconds: float = 0.0  # spent building, summed
+    errors: list[str] = field(default_factory=list)
+
+
+class _Worker:
+    """The parent's side: one worker process, its pending jobs and the reader thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Condition()
+        self._proc: subprocess.Popen | None = None
+        self._pending: dict[str, str] = {}  # job id: piece name
+        self._summary = Summary()
+        self._next = 0
+
+    def submit(self, job: Mapping[str, Any], name: str) -> bool:
+        """Hand ``job`` to the worker; ``False`` (logged) where it cannot be sent."""
+        fd, path = tempfile.mkstemp(prefix="sizebackend-job-", suffix=".pt")
+        os.close(fd)
+        try:
+            torch.save(dict(job), path)
+        except Exception as e:  # an unpicklable constant or config value
+            os.unlink(path)
+            _failed(name, f"cannot be handed to the package worker ({type(e).__name__}: {e})")
+            return False
+        with self._lock:
+            self._next += 1
+            job_id = f"{os.getpid()}-{self._next}"
+            try:
+                proc = self._start()
+                proc.stdin.write(json.dumps({"id": job_id, "path": path}) + "\n")
+                proc.stdin.flush()
+            except OSError as e:
+                os.unlink(path)
+                _failed(name, f"the package worker did not take it ({e})")
+                return False
+            self._pending[job_id] = name
+            self._summary.pending = len(self._pending)
+        log.debug("sent %s to the package worker (job %s)", name, job_id)
+        return True
+
+    def _start(self) -> subprocess.Popen:
+        if self._proc is not None and self._proc.poll() is None:
+            return self._proc
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "dynamo_sizebackend.cache.package_worker"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, bufsize=1,
+        )
+        threading.Thread(target=self._read, args=(self._proc,), daemon=True,
+                         name="sizebackend-package-worker-reader").start()
+        return self._proc
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            try:
+                answer = json.loads(line)
+            except ValueError:
+                continue
+            with self._lock:
+                name = self._pending.pop(answer.get("id"), "a piece")
+                self._record(answer, name)
+                self._summary.pending = len(self._pending)
+                self._lock.notify_all()
+        proc.wait()
+        with self._lock:  # the worker died with jobs unanswered (killed, or crashed)
+            if self._proc is proc:
+                lost, self._pending = dict(self._pending), {}
+                for name in lost.values():
+                    self._summary.failed += 1
+                    _failed(name, f"the package worker exited (status {proc.returncode}) "
+                                  "before building it")
+                self._summary.pending = 0
+                self._proc = None
+            self._lock.notify_all()
+
+    def _record(self, answer: Mapping[str, Any], name: str) -> None:
+        status = answer.get("status")
+        self._summary.seconds += float(answer.get("seconds", 0.0))
+        if status == "stored":
+            self._summary.stored += 1
+            log.info("sizebackend: stored %s ahead of time in %.1fs (package worker)",
+                     name, answer.get("seconds", 0.0))
+        elif status == "present":
+            self._summary.present += 1
+        else:
+            self._summary.failed += 1
+            self._summary.errors.append(f"{name}: {answer.get('error')}")
+            _failed(name, f"cannot be compiled ahead of time ({answer.get('error')}); "
+                          "served on the JIT path, not stored")
+
+    def wait(self, timeout: float | None) -> Summary:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._pending:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._lock.wait(left)
+            s = self._summary
+            return Summary(s.stored, s.present, s.failed, len(self._pending), s.seconds, list(s.errors))
+
+
+def _failed(name: str, why: str) -> None:
+    from ..stats import COUNTERS
+    from .store import _SHARED
+
+    COUNTERS.add_keyed("cache_skips", "aot_failed")
+    level = logging.WARNING if _SHARED.first_warning("aot_failed") else logging.DEBUG
+    log.log(level, "sizebackend cache: %s %s", name, why)
+
+
+_WORKER = _Worker()
+
+
+def submit(*, module: torch.nn.Module, tensors: Sequence[torch.Tensor], config: Mapping[str, Any],
+           cache_dir: str, key: str, size: str, name: str) -> bool:
+    """Ask the worker to build ``module`` (taking ``tensors``' shapes) as the package of
+    entry ``key`` in ``cache_dir``. Returns at once; whether the job was sent."""
+    job = {"module": module, "specs": [spec_of(t) for t in tensors], "config": dict(config),
+           "cache_dir": cache_dir, "key": key, "size": size, "name": name}
+    return _WORKER.submit(job, name)
+
+
+def wait_for_packages(timeout: float | None = None) -> Summary:
+    """Block until the package worker has answered every job this process sent (or
+    ``timeout`` seconds passed: ``pending`` says how many are left)."""
+    return _WORKER.wait(timeout)
+
+
+# ---- the worker process -------------------------------------------------------------
+
+
+def build(job: Mapping[str, Any]) -> dict[str, Any]:
+    """Build one job's package into its cache entry; the answer line's fields."""
+    from .._torch import inductor
+    from .store import CorruptEntry, DiskCache, PieceCache
+
+    cache = PieceCache("", DiskCache(job["cache_dir"]))
+    key, name = job["key"], job["name"]
+    start = time.perf_counter()
+    with cache.claim(key, name):
+        try:
+            if cache.disk.read(key) is not None:
+                return {"status": "present"}
+        except (CorruptEntry, OSError):
+            pass  # rebuilt and replaced below
+        fd, path = tempfile.mkstemp(prefix="sizebackend-aot-", suffix=".pt2")
+        os.close(fd)
+        try:
+            with torch.no_grad():
+                inductor.aot_compile_package(job["module"], [_zeros(s) for s in job["specs"]],
+                                             dict(job["config"]), path)
+            with open(path, "rb") as f:
+                payload = f.read()
+        finally:
+            os.unlink(path)
+        cache._write(key, payload, job["size"], name, "aot")
+    return {"status": "stored", "seconds": time.perf_counter() - start}
+
+
+def _answer(out: IO[str] | None, answer: Mapping[str, Any]) -> IO[str] | None:
+    """Write one answer line; ``None`` once the parent stopped reading (it exited):
+    the remaining jobs are still built, for the next start."""
+    if out is None:
+        return None
+    try:
+        out.write(json.dumps(answer) + "\n")
+        out.flush()
+        return out
+    except (BrokenPipeError, OSError):
+        return None
+
+
+def main() -> int:
+    try:
+        os.nice(10)
+    except (AttributeError, OSError):
+        pass
+    import dynamo_sizebackend  # noqa: F401  (registers the sizebackend:: ops the pieces call)
+
+    out: IO[str] | None = sys.stdout
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        request = json.loads(line)
+        try:
+            job = torch.load(request["path"], weights_only=False)
+            answer = build(job)
+        except Exception as e:  # answered, never fatal: the next job may build
+            first = str(e).splitlines()[0] if str(e) else ""
+            answer = {"status": "failed", "error": f"{type(e).__name__}: {first}"}
+        finally:
+            try:
+                os.unlink(request["path"])
+            except OSError:
+                pass
+        out = _answer(out, {"id": request.get("id"), **answer})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
