@@ -128,6 +128,32 @@ class AotPiece:
         return self._call([args[i] for i in self.positions])
 
 
+def _via_worker(cache: PieceCache, artifact_key: str, gm: torch.fx.GraphModule,
+                example: Sequence[Any], config: Mapping[str, Any], key: str, name: str) -> Any:
+    """``store_frozen="worker"``: the stored package, or :data:`SENT` after handing the
+    piece to the package worker (``None`` where that failed): the caller then serves it
+    on the JIT path. The entry's lock is taken before the second look and held until
+    the worker answers, so a peer process that wants the same piece meanwhile waits
+    for the package instead of compiling it too (one compile among them)."""
+    if package_worker.building(artifact_key):  # this process sent it already
+        return SENT
+    stamp = cache.stamp(artifact_key)
+    package = cache.lookup(artifact_key, gm, name, kind=KIND)
+    if package is not None:
+        return package
+    held = cache.hold(artifact_key, name)
+    package = cache.lookup_again(artifact_key, stamp, gm, name, kind=KIND)
+    if package is not None:
+        held.release()
+        return package
+    COUNTERS.add("cache_misses")
+    tensors = [v for v in example if isinstance(v, torch.Tensor)]
+    sent = package_worker.submit(
+        module=_Bound(gm, example), tensors=tensors, config=config,
+        cache_dir=cache.disk.root, key=artifact_key, size=key, name=name, held=held)
+    return SENT if sent else None
+
+
 def compile_or_load(
     cache: PieceCache,
     gm: torch.fx.GraphModule,
@@ -183,16 +209,10 @@ def compile_or_load(
         finally:
             os.unlink(path)
 
-    if mode == "worker":  # never waits: served on the JIT path, the worker stores it
-        package = cache.lookup(artifact_key, gm, name, kind=KIND)
-        if package is None:
-            if cache.disk is not None:
-                COUNTERS.add("cache_misses")
-            tensors = [v for v in example if isinstance(v, torch.Tensor)]
-            sent = package_worker.submit(
-                module=_Bound(gm, example), tensors=tensors, config=config,
-                cache_dir=cache.disk.root, key=artifact_key, size=key, name=name)
-            return SENT if sent else None
+    if mode == "worker":
+        package = _via_worker(cache, artifact_key, gm, example, config, key, name)
+        if package is SENT or package is None:
+            return package
     else:
         package = cache.find_or_make(artifact_key, gm, name, make if build else None, kind=KIND)
     return AotPiece(package, positions, outputs) if package is not None else None

@@ -17,15 +17,19 @@ The worker:
 - is started on the first job (``python -m dynamo_sizebackend.cache.package_worker``)
   with the caller's environment (``TORCHINDUCTOR_CACHE_DIR`` included) at a lower
   priority (``os.nice``), so its C++ builds yield the cores to serving;
-- reads one job file path per line on stdin and answers one JSON line per job on
-  stdout; a thread of the parent reads the answers (a failed build is counted in
+- gets one message per job on a socket (the path of the job file, and the entry's lock
+  file descriptor beside it) and answers one message per job; a thread of the parent
+  reads the answers (a failed build is counted in
   ``cache_skips["aot_failed"]`` and logged, once per process at warning level);
-- takes the entry's lock (:meth:`.store.PieceCache.claim`) and looks again before it
-  builds, so N processes sharing one ``cache_dir`` build each package once between
-  them, and a process started meanwhile waits for the lock only if it wants to build
-  the same entry (a serving process never waits: it compiles on the JIT path);
-- outlives its parent only to finish the jobs already sent (stdin reaches its end
-  when the parent exits), then exits. :func:`wait_for_packages` blocks until every job
+- builds under the entry's lock (:meth:`.store.PieceCache.hold`), which the parent
+  takes before its second look and holds until the worker answers: N processes
+  started at once on one ``cache_dir`` compile each frozen piece once between them
+  (the first serves it on the JIT path, the others wait for the lock and load the
+  package), as they do every other piece;
+- outlives its parent only to finish the jobs already sent (the socket reaches its
+  end when the parent exits), then exits; a job's lock stays held until its entry is
+  written, so a process started meanwhile waits for the package, never builds a
+  second one. :func:`wait_for_packages` blocks until every job
   sent so far is answered: a script that must leave a warm cache behind, a benchmark
   or a test, calls it before it exits.
 """
@@ -34,18 +38,20 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import IO, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
 log = logging.getLogger(__name__)
 
+_MESSAGE = 65536  # a job or answer message is far shorter
 Spec = tuple[list[int], list[int], str, str]  # shape, stride, dtype, device
 
 
@@ -71,77 +77,111 @@ class Summary:
     errors: list[str] = field(default_factory=list)
 
 
+@dataclass
+class _Job:
+    name: str
+    key: str
+
+
 class _Worker:
     """The parent's side: one worker process, its pending jobs and the reader thread."""
 
     def __init__(self) -> None:
         self._lock = threading.Condition()
         self._proc: subprocess.Popen | None = None
-        self._pending: dict[str, str] = {}  # job id: piece name
+        self._sock: socket.socket | None = None
+        self._pending: dict[str, _Job] = {}  # by job id
         self._summary = Summary()
         self._next = 0
 
-    def submit(self, job: Mapping[str, Any], name: str) -> bool:
-        """Hand ``job`` to the worker; ``False`` (logged) where it cannot be sent."""
-        fd, path = tempfile.mkstemp(prefix="sizebackend-job-", suffix=".pt")
-        os.close(fd)
+    def submit(self, job: Mapping[str, Any], name: str, held: Any) -> bool:
+        """Hand ``job`` to the worker; ``False`` (logged) where it cannot be sent.
+        ``held``: the entry's lock (:meth:`.store.PieceCache.hold`): its file
+        descriptor travels with the job, so the worker holds the lock from here until
+        it has written the entry, even if this process exits first; this process's
+        own copy is released either way."""
         try:
-            torch.save(dict(job), path)
-        except Exception as e:  # an unpicklable constant or config value
-            os.unlink(path)
-            _failed(name, f"cannot be handed to the package worker ({type(e).__name__}: {e})")
-            return False
-        with self._lock:
-            self._next += 1
-            job_id = f"{os.getpid()}-{self._next}"
+            fd, path = tempfile.mkstemp(prefix="sizebackend-job-", suffix=".pt")
+            os.close(fd)
             try:
-                proc = self._start()
-                proc.stdin.write(json.dumps({"id": job_id, "path": path}) + "\n")
-                proc.stdin.flush()
-            except OSError as e:
+                torch.save(dict(job), path)
+            except Exception as e:  # an unpicklable constant or config value
                 os.unlink(path)
-                _failed(name, f"the package worker did not take it ({e})")
+                _failed(name, f"cannot be handed to the package worker ({type(e).__name__}: {e})")
                 return False
-            self._pending[job_id] = name
-            self._summary.pending = len(self._pending)
+            with self._lock:
+                self._next += 1
+                job_id = f"{os.getpid()}-{self._next}"
+                message = json.dumps({"id": job_id, "path": path}).encode()
+                try:
+                    sock = self._start()
+                    socket.send_fds(sock, [message], [held.fd] if held.fd is not None else [])
+                except OSError as e:
+                    os.unlink(path)
+                    _failed(name, f"the package worker did not take it ({e})")
+                    return False
+                self._pending[job_id] = _Job(name, job["key"])
+                self._summary.pending = len(self._pending)
+        finally:
+            held.release()
         log.debug("sent %s to the package worker (job %s)", name, job_id)
         return True
 
-    def _start(self) -> subprocess.Popen:
-        if self._proc is not None and self._proc.poll() is None:
-            return self._proc
+    def building(self, key: str) -> bool:
+        with self._lock:
+            return any(job.key == key for job in self._pending.values())
+
+    def _start(self) -> socket.socket:
+        if self._proc is not None and self._proc.poll() is None and self._sock is not None:
+            return self._sock
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "dynamo_sizebackend.cache.package_worker"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, bufsize=1,
-        )
-        threading.Thread(target=self._read, args=(self._proc,), daemon=True,
+        # One message per job and per answer (SEQPACKET keeps their boundaries), and
+        # the job's lock file descriptor beside it (SCM_RIGHTS).
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "dynamo_sizebackend.cache.package_worker",
+                 str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env,
+            )
+        finally:
+            theirs.close()
+        self._sock = mine
+        threading.Thread(target=self._read, args=(self._proc, mine), daemon=True,
                          name="sizebackend-package-worker-reader").start()
-        return self._proc
+        return mine
 
-    def _read(self, proc: subprocess.Popen) -> None:
-        for line in proc.stdout:
+    def _read(self, proc: subprocess.Popen, sock: socket.socket) -> None:
+        while True:
             try:
-                answer = json.loads(line)
+                data = sock.recv(_MESSAGE)
+            except OSError:
+                break
+            if not data:
+                break
+            try:
+                answer = json.loads(data)
             except ValueError:
                 continue
             with self._lock:
-                name = self._pending.pop(answer.get("id"), "a piece")
-                self._record(answer, name)
-                self._summary.pending = len(self._pending)
+                job = self._pending.pop(answer.get("id"), None)
+                if job is not None:
+                    self._record(answer, job.name)
+                    self._summary.pending = len(self._pending)
                 self._lock.notify_all()
         proc.wait()
         with self._lock:  # the worker died with jobs unanswered (killed, or crashed)
             if self._proc is proc:
                 lost, self._pending = dict(self._pending), {}
-                for name in lost.values():
+                for job in lost.values():
                     self._summary.failed += 1
-                    _failed(name, f"the package worker exited (status {proc.returncode}) "
-                                  "before building it")
+                    _failed(job.name, f"the package worker exited (status {proc.returncode}) "
+                                      "before building it")
                 self._summary.pending = 0
-                self._proc = None
+                self._proc, self._sock = None, None
+                sock.close()
             self._lock.notify_all()
 
     def _record(self, answer: Mapping[str, Any], name: str) -> None:
@@ -184,12 +224,18 @@ _WORKER = _Worker()
 
 
 def submit(*, module: torch.nn.Module, tensors: Sequence[torch.Tensor], config: Mapping[str, Any],
-           cache_dir: str, key: str, size: str, name: str) -> bool:
+           cache_dir: str, key: str, size: str, name: str, held: Any) -> bool:
     """Ask the worker to build ``module`` (taking ``tensors``' shapes) as the package of
-    entry ``key`` in ``cache_dir``. Returns at once; whether the job was sent."""
+    entry ``key`` in ``cache_dir``, whose lock the caller ``held`` (the worker builds
+    under it, so it does not take it again). Returns at once; whether the job was sent."""
     job = {"module": module, "specs": [spec_of(t) for t in tensors], "config": dict(config),
            "cache_dir": cache_dir, "key": key, "size": size, "name": name}
-    return _WORKER.submit(job, name)
+    return _WORKER.submit(job, name, held)
+
+
+def building(key: str) -> bool:
+    """Whether this process sent entry ``key`` to the worker and awaits its answer."""
+    return _WORKER.building(key)
 
 
 def wait_for_packages(timeout: float | None = None) -> Summary:
@@ -209,51 +255,52 @@ def build(job: Mapping[str, Any]) -> dict[str, Any]:
     cache = PieceCache("", DiskCache(job["cache_dir"]))
     key, name = job["key"], job["name"]
     start = time.perf_counter()
-    with cache.claim(key, name):
-        try:
-            if cache.disk.read(key) is not None:
-                return {"status": "present"}
-        except (CorruptEntry, OSError):
-            pass  # rebuilt and replaced below
-        fd, path = tempfile.mkstemp(prefix="sizebackend-aot-", suffix=".pt2")
-        os.close(fd)
-        try:
-            with torch.no_grad():
-                inductor.aot_compile_package(job["module"], [_zeros(s) for s in job["specs"]],
-                                             dict(job["config"]), path)
-            with open(path, "rb") as f:
-                payload = f.read()
-        finally:
-            os.unlink(path)
-        cache._write(key, payload, job["size"], name, "aot")
+    # No lock taken here: the parent holds the entry's lock until this job is answered.
+    try:
+        if cache.disk.read(key) is not None:
+            return {"status": "present"}
+    except (CorruptEntry, OSError):
+        pass  # rebuilt and replaced below
+    fd, path = tempfile.mkstemp(prefix="sizebackend-aot-", suffix=".pt2")
+    os.close(fd)
+    try:
+        with torch.no_grad():
+            inductor.aot_compile_package(job["module"], [_zeros(s) for s in job["specs"]],
+                                         dict(job["config"]), path)
+        with open(path, "rb") as f:
+            payload = f.read()
+    finally:
+        os.unlink(path)
+    cache._write(key, payload, job["size"], name, "aot")
     return {"status": "stored", "seconds": time.perf_counter() - start}
 
 
-def _answer(out: IO[str] | None, answer: Mapping[str, Any]) -> IO[str] | None:
-    """Write one answer line; ``None`` once the parent stopped reading (it exited):
-    the remaining jobs are still built, for the next start."""
-    if out is None:
+def _answer(sock: socket.socket | None, answer: Mapping[str, Any]) -> socket.socket | None:
+    """Send one answer; ``None`` once the parent stopped reading (it exited): the
+    remaining jobs are still built, for the next start."""
+    if sock is None:
         return None
     try:
-        out.write(json.dumps(answer) + "\n")
-        out.flush()
-        return out
-    except (BrokenPipeError, OSError):
+        sock.send(json.dumps(answer).encode())
+        return sock
+    except OSError:
         return None
 
 
-def main() -> int:
+def main(argv: Sequence[str]) -> int:
     try:
         os.nice(10)
     except (AttributeError, OSError):
         pass
     import dynamo_sizebackend  # noqa: F401  (registers the sizebackend:: ops the pieces call)
 
-    out: IO[str] | None = sys.stdout
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        request = json.loads(line)
+    sock = socket.socket(fileno=int(argv[0]))
+    answers: socket.socket | None = sock
+    while True:
+        data, fds, _, _ = socket.recv_fds(sock, _MESSAGE, 1)
+        if not data:  # the parent exited or closed its end: every job sent is done
+            return 0
+        request = json.loads(data)
         try:
             job = torch.load(request["path"], weights_only=False)
             answer = build(job)
@@ -261,13 +308,14 @@ def main() -> int:
             first = str(e).splitlines()[0] if str(e) else ""
             answer = {"status": "failed", "error": f"{type(e).__name__}: {first}"}
         finally:
+            for fd in fds:  # the entry's lock, held since the parent's second look
+                os.close(fd)
             try:
                 os.unlink(request["path"])
             except OSError:
                 pass
-        out = _answer(out, {"id": request.get("id"), **answer})
-    return 0
+        answers = _answer(answers, {"id": request.get("id"), **answer})
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -386,26 +386,53 @@ class PieceCache:
     def claim(self, key: str, name: str) -> Iterator[None]:
         """Hold the right to compile ``key`` among the processes sharing the folder:
         whoever holds it compiles and writes the entry, the others wait here and then
-        find it (look it up again inside). An exclusive ``flock`` on
+        find it (look it up again inside). See :meth:`hold`."""
+        held = self.hold(key, name)
+        try:
+            yield
+        finally:
+            held.release()
+
+    def hold(self, key: str, name: str) -> "Claim":
+        """:meth:`claim` as an object whose ``release()`` the caller calls (the package
+        worker's jobs hold it until the worker answers). An exclusive ``flock`` on
         ``.<key>.lock``: released by the OS when its holder exits, however it exits.
         Without a disk, or where the folder cannot hold a lock file (read-only), there
         is nothing to share and nothing is held."""
         if self.disk is None:
-            yield
-            return
+            return Claim(None)
         try:
             os.makedirs(self.disk.folder, exist_ok=True)
             fd = os.open(os.path.join(self.disk.folder, f".{key}{LOCK_SUFFIX}"),
                          os.O_RDWR | os.O_CREAT, 0o644)
         except OSError:
-            yield
-            return
+            return Claim(None)
         try:
             if not _lock(fd, LOCK_WAIT_SECONDS):
                 self.skip("lock_timeout", "another process has compiled %s for over %.0f s; "
                           "compiling it here too", name, LOCK_WAIT_SECONDS)
-            yield
-        finally:
+        except BaseException:
+            os.close(fd)
+            raise
+        return Claim(fd)
+
+
+class Claim:
+    """A held compile lock (:meth:`PieceCache.hold`); ``release()`` is idempotent."""
+
+    def __init__(self, fd: int | None):
+        self._fd = fd
+        self._lock = threading.Lock()
+
+    @property
+    def fd(self) -> int | None:
+        """The lock file's descriptor (``None`` when nothing is held)."""
+        return self._fd
+
+    def release(self) -> None:
+        with self._lock:
+            fd, self._fd = self._fd, None
+        if fd is not None:
             os.close(fd)  # closing releases the lock
 
 
