@@ -233,21 +233,42 @@ def test_the_background_thread_loads_packages_but_never_builds_one(tmp_path):
         serve_until_size_4(compiled, model)
 
 
+def _serve_until_size_4(compiled, model):
+    """Call at size 4 until the background thread has published it."""
+    import time
+
+    deadline = time.monotonic() + 300
+    served = sb.stats().calls.get("4", 0)
+    while sb.stats().calls.get("4", 0) == served:
+        torch.testing.assert_close(compiled(_x(4)), model(_x(4)), **TOL)
+        assert time.monotonic() < deadline, "background compile never finished"
+        time.sleep(0.05)
+    return compiled(_x(4))
+
+
+@pytest.mark.parametrize("mode", ["eager", "background"])
 @torch.no_grad()
-def test_by_default_the_package_is_built_by_a_worker_while_the_jit_piece_serves(tmp_path):
+def test_by_default_the_package_is_built_by_a_worker_while_the_jit_piece_serves(tmp_path, mode):
     """The real default (``store_frozen=True``): the cold start's size 4 is served by a
-    JIT compile at once, the worker process stores its package, the restart loads it."""
+    JIT compile at once, the worker process stores its package, the restart loads it.
+    A background start stores it too (the worker's AOT compile cannot touch the
+    serving thread's process-wide flags)."""
     torch.manual_seed(0)
     model = MLP().eval()
+    options = {**FREEZE, "store_frozen": True, "compile_mode": mode, "cache_dir": str(tmp_path)}
     before = sb.wait_for_packages()
     with sb.expect(compiles={"dynamic": 1, 4: 1}, cache_misses=2, cache_hits=0, cache_skips={}):
-        _, cold = _run(model, tmp_path, store_frozen=True)
+        compiled = compile_sb(model, **options)
+        torch.testing.assert_close(compiled(_x(3)), model(_x(3)), **TOL)
+        cold = _serve_until_size_4(compiled, model)
     done = sb.wait_for_packages(timeout=300)
     assert (done.pending, done.failed - before.failed) == (0, 0), done.errors
     assert done.stored - before.stored == 1
     assert _kinds(tmp_path) == {"jit": 1, "aot": 1}
 
     _restart()
-    with sb.expect(compiles={}, cache_hits=2, cache_misses=0, calls={"dynamic": 1, 4: 1}):
-        _, warm = _run(model, tmp_path, store_frozen=True)
-    torch.testing.assert_close(warm[4], cold[4], **TOL)
+    with sb.expect(compiles={}, cache_hits=2, cache_misses=0):
+        compiled = compile_sb(model, **options)
+        torch.testing.assert_close(compiled(_x(3)), model(_x(3)), **TOL)
+        warm = _serve_until_size_4(compiled, model)
+    torch.testing.assert_close(warm, cold, **TOL)
