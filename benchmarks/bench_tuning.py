@@ -8,6 +8,7 @@ against ``dynamic=False``; every output is checked against eager first.
 
     python benchmarks/bench_tuning.py [--model llama-small | sdpa] [--sizes 2,4,8]
                                       [--candidates default,freeze,...] [--json out.json]
+                                      [--winners winners.json]
 
 Candidates (``--candidates``, comma-separated; ``all`` for every one):
   none           {}: sized pieces compiled like the general ones
@@ -16,6 +17,12 @@ Candidates (``--candidates``, comma-separated; ``all`` for every one):
   freeze         constant (frozen, prepacked) weights
   freeze+autotune   both: the CPU default (options.SIZED_DEFAULTS["cpu"])
   freeze+concat  constant weights with q/k/v and gate/up linears concatenated
+  freeze+autotune-full   the CPU default with Inductor's full GEMM search
+                 (``prune_autotune=False``): what pruning costs in speed, and saves in
+                 compile time
+
+``--winners FILE``: every GEMM candidate's autotune time (the full search), per shape,
+printed and written to FILE: the measurement behind ``_torch/autotune.py``.
 """
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ import torch  # noqa: E402
 
 import dynamo_sizebackend as sb  # noqa: E402
 from bench_latency import interleaved  # noqa: E402
+from dynamo_sizebackend._torch import autotune  # noqa: E402
 from dynamo_sizebackend.models import build_model  # noqa: E402
 from dynamo_sizebackend.models.sdpa import TinyTransformer  # noqa: E402
 from dynamo_sizebackend.options import SIZED_DEFAULTS  # noqa: E402
@@ -46,7 +54,10 @@ CANDIDATES = {
     "freeze": {"freezing": True},
     "freeze+autotune": dict(SIZED_DEFAULTS["cpu"]),
     "freeze+concat": {"freezing": True, "cpp.enable_concat_linear": True},
+    "freeze+autotune-full": dict(SIZED_DEFAULTS["cpu"]),
 }
+#: Backend options a candidate sets besides its Inductor patches.
+BACKEND_OPTIONS = {"freeze+autotune-full": {"prune_autotune": False}}
 
 
 def build(name: str, dim: int, layers: int, seq: int):
@@ -74,6 +85,36 @@ def marked(args: tuple) -> tuple:
     return tuple(out)
 
 
+def record_autotune() -> list[dict]:
+    """Every autotuned GEMM's candidates and times, appended as Inductor reports them."""
+    from torch._inductor import select_algorithm
+
+    rows: list[dict] = []
+
+    def saver(timings, name, input_nodes, *rest):
+        out = next(iter(timings)).layout.size
+        rows.append({"op": name, "rows": int(torch.tensor([int(d) for d in out[:-1]]).prod()),
+                     "k": int(input_nodes[0].get_size()[-1]), "n": int(out[-1]),
+                     "us": {("aten" if autotune._is_aten(c) else "template"): float(t) * 1e3
+                            for c, t in timings.items()}})
+
+    select_algorithm.add_feedback_saver(saver)
+    return rows
+
+
+def report_winners(rows: list[dict], path: str) -> None:
+    shapes = {(r["rows"], r["k"], r["n"]): r["us"] for r in rows}  # repeats: one per shape
+    print("\nautotune: per GEMM shape, ATen / template time (> 1: the template wins)")
+    print(f"{'rows':>6} {'k':>6} {'n':>6} {'aten us':>9} {'template us':>12} {'ratio':>7}")
+    for (m, k, n), us in sorted(shapes.items()):
+        if "aten" in us and "template" in us:
+            print(f"{m:6d} {k:6d} {n:6d} {us['aten']:9.1f} {us['template']:12.1f} "
+                  f"{us['aten'] / us['template']:7.2f}")
+    with open(path, "w") as f:
+        json.dump([{"rows": m, "k": k, "n": n, "us": us} for (m, k, n), us in sorted(shapes.items())],
+                  f, indent=1)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-small", help="sdpa, or llama-<preset>")
@@ -85,6 +126,9 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json")
+    p.add_argument("--winners", metavar="FILE",
+                   help="record every GEMM candidate's autotune time (the full search: "
+                        "prune_autotune=False) and print which kind won at each row count")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     torch._dynamo.config.recompile_limit = 64  # dynamic=False compiles once per size
@@ -99,9 +143,12 @@ def main(argv=None) -> int:
     }
     for name in names:
         options = {"compile_sizes": sizes, "cache_dir": None,
-                   "sized_inductor_options": CANDIDATES[name]}
+                   "sized_inductor_options": CANDIDATES[name], **BACKEND_OPTIONS.get(name, {})}
+        if a.winners:
+            options["prune_autotune"] = False
         variants[f"sb {name}"] = (torch.compile(model, backend="sizebackend", options=options), True)
 
+    timings = record_autotune() if a.winners else None
     plain = {n: inputs(n) for n in sizes}
     marks = {n: marked(plain[n]) for n in sizes}
     compile_s: dict[str, float] = {}
@@ -129,6 +176,8 @@ def main(argv=None) -> int:
             f"{results[name][n]:9.1f} ({results[name][n] / results['dynamic=False'][n]:.3f})" for n in sizes
         )
         print(f"{name:>20} {cells} {compile_s[name]:14.1f}")
+    if timings is not None:
+        report_winners(timings, a.winners)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"us": results, "first_calls_s": compile_s, "stats": sb.stats().to_dict()}, f, indent=1)

@@ -16,6 +16,14 @@ def test_defaults():
     assert len(DEFAULT_CUDAGRAPH_SIZES) == 3 + 32  # 1, 2, 4 and 8..256 step 8
 
 
+def test_store_frozen_values_and_where_each_builds():
+    assert parse_options(None).frozen_store_mode() == "worker"  # the default: True
+    assert parse_options({"store_frozen": "inline"}).frozen_store_mode() == "inline"
+    assert parse_options({"store_frozen": "worker"}).frozen_store_mode() == "worker"
+    assert parse_options({"store_frozen": False}).frozen_store_mode() is None
+    assert parse_options(None).prune_autotune is True
+
+
 def test_dict_and_string_forms_agree():
     from_dict = parse_options({"compile_sizes": [8, 1, 4, 2, 4], "compiler": "eager"})
     from_str = parse_options("{'compile_sizes': [8, 1, 4, 2, 4], 'compiler': 'eager',}")
@@ -77,6 +85,10 @@ def test_seed_string_with_expanded_sequence():
         ({"inductor_options": {"max_autotune": "yes"}}, r"'inductor_options'.*'max_autotune'.*bool"),
         ({"inductor_options": {1: 2}}, r"'inductor_options'.*str keys"),
         ({"direct_calls": 1}, r"'direct_calls'.*True or False.*got 1"),
+        ({"store_frozen": 1}, r"'store_frozen'.*True, False, 'worker' or 'inline'.*got 1"),
+        ({"store_frozen": "workers"}, r"'store_frozen'.*got 'workers'"),
+        ({"store_frozen": None}, r"'store_frozen'.*got None"),
+        ({"prune_autotune": "no"}, r"'prune_autotune'.*True or False"),
     ],
 )
 def test_bad_options_name_key_and_value(options, match):

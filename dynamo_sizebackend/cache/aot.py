@@ -23,18 +23,19 @@ cannot take, compiles on the JIT path as before, counted in
 ``cache_skips["frozen"]`` (and ``cache_skips["aot_failed"]`` for a failure, logged once
 per reason).
 
-Never built on the background thread (``compile_mode="background"``), only loaded:
-torch's AOT compile sets process-wide flags for its whole duration
-(``torch.compiler._is_compiling_flag`` and ``_is_exporting_flag``, see
-``torch._export.utils._compiling_state_context``), so every other thread's compiled
-code sees ``is_compiling()`` and ``is_exporting()`` true meanwhile; measured: a call
-of the compiled Llama on the main thread while the background thread built a package
-raised ``KeyError: 'custom'`` in ``fx.traceback.annotate``, which Dynamo's wrapper
-enters only when exporting. The background thread compiles such a piece on the JIT
-path (``cache_skips["frozen"]``); an eager or lazy start stores it. The same flags
-are set while an eager or lazy compile builds a package: a server whose other threads
-call compiled code at that moment would meet the same; build the packages at startup
-(``compile_mode="eager"``, the default) before serving from several threads.
+Where a package is built (``store_frozen``): by default (``True``, ``"worker"``) in the
+package worker process (``cache/package_worker.py``) while a JIT compile of the piece
+serves; with ``"inline"`` here, before the size serves. Never inline on the background
+thread (``compile_mode="background"``): torch's AOT compile sets process-wide flags
+for its whole duration (``torch.compiler._is_compiling_flag`` and
+``_is_exporting_flag``, see ``torch._export.utils._compiling_state_context``), so
+every other thread's compiled code sees ``is_compiling()`` and ``is_exporting()`` true
+meanwhile; measured: a call of the compiled Llama on the main thread while the
+background thread built a package raised ``KeyError: 'custom'`` in
+``fx.traceback.annotate``, which Dynamo's wrapper enters only when exporting. So with
+``"inline"`` the background thread only loads packages (a missing one compiles on the
+JIT path, ``cache_skips["frozen"]``), and an inline build in the caller's thread has
+the same effect on other serving threads: the worker has neither problem.
 
 An AOT package is called through its loader's flat ``run(tensors)``: the piece's int
 arguments are constants of the package (static at this size), so only its tensor
