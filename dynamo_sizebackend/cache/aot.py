@@ -91,15 +91,6 @@ class _Bound(torch.nn.Module):
         return self.piece(*[self.ints[i] if i in self.ints else next(given) for i in range(self.count)])
 
 
-def _real(value: torch.Tensor) -> torch.Tensor:
-    """A zero tensor with ``value``'s (static) shape, strides, dtype and device."""
-    out = torch.empty_strided(
-        [int(s) for s in value.shape], [int(s) for s in value.stride()],
-        dtype=value.dtype, device=value.device,
-    )
-    return out.zero_()
-
-
 def _outputs(gm: torch.fx.GraphModule) -> str | None:
     """``"one"`` (a single tensor), ``"flat"`` (a tuple or list of nodes) or ``None``
     (anything else: the package's own ``__call__`` rebuilds it)."""
@@ -191,7 +182,8 @@ def compile_or_load(
         try:
             start = time.perf_counter()
             try:
-                tensors = [_real(v) for v in example if isinstance(v, torch.Tensor)]
+                tensors = [package_worker.zeros(package_worker.spec_of(v))
+                           for v in example if isinstance(v, torch.Tensor)]
                 inductor.aot_compile_package(_Bound(gm, example), tensors, dict(config), path)
                 package = inductor.aot_load_package(path)
             except Exception as e:  # export or AOTInductor cannot take it: the JIT path

@@ -60,7 +60,8 @@ def spec_of(value: torch.Tensor) -> Spec:
             str(value.dtype).removeprefix("torch."), str(value.device))
 
 
-def _zeros(spec: Spec) -> torch.Tensor:
+def zeros(spec: Spec) -> torch.Tensor:
+    """A zero tensor of ``spec``: what export traces the piece with."""
     shape, stride, dtype, device = spec
     return torch.empty_strided(shape, stride, dtype=getattr(torch, dtype), device=device).zero_()
 
@@ -265,7 +266,7 @@ def build(job: Mapping[str, Any]) -> dict[str, Any]:
     os.close(fd)
     try:
         with torch.no_grad():
-            inductor.aot_compile_package(job["module"], [_zeros(s) for s in job["specs"]],
+            inductor.aot_compile_package(job["module"], [zeros(s) for s in job["specs"]],
                                          dict(job["config"]), path)
         with open(path, "rb") as f:
             payload = f.read()
