@@ -230,8 +230,27 @@ def submit(*, module: torch.nn.Module, tensors: Sequence[torch.Tensor], config: 
     entry ``key`` in ``cache_dir``, whose lock the caller ``held`` (the worker builds
     under it, so it does not take it again). Returns at once; whether the job was sent."""
     job = {"module": module, "specs": [spec_of(t) for t in tensors], "config": dict(config),
-           "cache_dir": cache_dir, "key": key, "size": size, "name": name}
+           "cache_dir": cache_dir, "key": key, "size": size, "name": name,
+           "state": _runtime_state()}
     return _WORKER.submit(job, name, held)
+
+
+def _runtime_state() -> dict[str, Any]:
+    """What the piece key hashes besides config (``_torch/inductor.py``,
+    ``compile_environment_key``) that lives in process state, not in the job: the
+    worker takes it on, so the package is the code the key names (the C++ kernels are
+    specialized for the thread count, for one)."""
+    return {"threads": torch.get_num_threads(),
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "default_dtype": str(torch.get_default_dtype()).removeprefix("torch."),
+            "mkldnn_fp32_precision": torch.backends.mkldnn.matmul.fp32_precision}
+
+
+def _apply(state: Mapping[str, Any]) -> None:
+    torch.set_num_threads(int(state["threads"]))
+    torch.set_float32_matmul_precision(state["float32_matmul_precision"])
+    torch.set_default_dtype(getattr(torch, state["default_dtype"]))
+    torch.backends.mkldnn.matmul.fp32_precision = state["mkldnn_fp32_precision"]
 
 
 def building(key: str) -> bool:
@@ -262,6 +281,7 @@ def build(job: Mapping[str, Any]) -> dict[str, Any]:
             return {"status": "present"}
     except (CorruptEntry, OSError):
         pass  # rebuilt and replaced below
+    _apply(job["state"])
     fd, path = tempfile.mkstemp(prefix="sizebackend-aot-", suffix=".pt2")
     os.close(fd)
     try:

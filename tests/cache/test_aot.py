@@ -272,3 +272,18 @@ def test_by_default_the_package_is_built_by_a_worker_while_the_jit_piece_serves(
         torch.testing.assert_close(compiled(_x(3)), model(_x(3)), **TOL)
         warm = _serve_until_size_4(compiled, model)
     torch.testing.assert_close(warm, cold, **TOL)
+
+
+def test_the_worker_takes_on_the_state_the_piece_key_hashes():
+    """The package is the code its key names: thread count and precision travel."""
+    from dynamo_sizebackend.cache import package_worker
+
+    threads = torch.get_num_threads()
+    state = package_worker._runtime_state()
+    assert state["threads"] == threads
+    try:
+        package_worker._apply({**state, "threads": 1})
+        assert torch.get_num_threads() == 1
+    finally:
+        package_worker._apply(state)
+    assert package_worker._runtime_state() == state
