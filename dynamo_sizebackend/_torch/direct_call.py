@@ -127,6 +127,13 @@ def generated_code(artifact: Any) -> str | None:
     return getattr(layers.inner, "source_code", None) if layers else None
 
 
+def generated_path(artifact: Any) -> str | None:
+    """Where Inductor wrote that module (in its cache folder), ``None`` if unknown."""
+    layers = _aot_layers(artifact)
+    call = getattr(layers.inner, "current_callable", None) if layers else None
+    return getattr(getattr(call, "__code__", None), "co_filename", None)
+
+
 def _argument_builder(layers: _Layers, keep: Sequence[int] | None) -> Callable[[tuple], list]:
     """How a call's arguments become the list Inductor's ``call`` takes: the caller's
     arguments at ``keep`` (all: ``None``) after AOT's prepended ``params``, then only

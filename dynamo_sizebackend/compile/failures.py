@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from .._torch import dynamo
+from .._torch import dynamo, observe
 from ..stats import COUNTERS
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,9 @@ class Fallbacks:
                 f"({type(error).__name__}: {brief}); strict=True turns this fallback into an error"
             ) from error
         COUNTERS.add_keyed("fallbacks", key)
+        observe.artifact("sizebackend_fallback", lambda: {
+            "graph": self.graph_id, "size": key, "what": what, "uncompiled": uncompiled,
+            "error": f"{type(error).__name__}: {brief}"})
         if key not in self._warned:
             self._warned.add(key)
             log.warning(

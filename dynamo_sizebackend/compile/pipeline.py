@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import warnings
 import weakref
 from typing import Any, Callable, ContextManager
@@ -19,7 +20,7 @@ import torch
 import torch.fx
 
 from .. import _torch
-from .._torch import direct_call, dynamo, shape_env
+from .._torch import direct_call, dynamo, observe, shape_env
 from ..cache import aot
 from ..cache.store import FirstOutput, returns_one_value
 from ..cache.store import for_options as piece_cache_for
@@ -64,6 +65,24 @@ class _Recorder(torch.fx.Interpreter):
         return out
 
 
+@contextlib.contextmanager
+def _summary(what: str, pieces: int):
+    """One INFO line for a compile of ``pieces`` pieces: seconds, and how many were
+    compiled, loaded from ``cache_dir`` or reused (``TORCH_LOGS="+dynamo_sizebackend"``
+    shows it; DEBUG adds a line per piece)."""
+    before, start = COUNTERS.snapshot(), time.perf_counter()
+    outcome = {"ok": False}
+    yield lambda ok: outcome.update(ok=ok)
+    if not log.isEnabledFor(logging.INFO):
+        return
+    now = COUNTERS.snapshot()
+    compiled = sum(now.compiles.values()) - sum(before.compiles.values())
+    log.info("sizebackend: %s: %d pieces in %.2fs (%d compiled, %d loaded, %d reused)%s",
+             what, pieces, time.perf_counter() - start, compiled,
+             now.cache_hits - before.cache_hits, now.reused - before.reused,
+             "" if outcome["ok"] else "; failed, served by the general pieces")
+
+
 class GraphCompiler:
     """Compiles one Dynamo graph into a :class:`Runner`; keeps nothing after that except
     what lazy and background compiles of listed sizes need."""
@@ -82,6 +101,30 @@ class GraphCompiler:
         self._runner: weakref.ref[Runner] | None = None
 
     def _compile(self, name: str, gm, inputs, size, key, fake_mode=None, keep=None) -> CompiledPiece:
+        """One piece, traced (``sizebackend_piece`` under ``TORCH_TRACE``: its size, how
+        it was served and the seconds); see :meth:`_compile_piece`."""
+        before, start = COUNTERS.snapshot(), time.perf_counter()
+        compiled = self._compile_piece(name, gm, inputs, size, key, fake_mode, keep)
+        seconds = time.perf_counter() - start
+
+        def payload() -> dict[str, Any]:
+            now = COUNTERS.snapshot()
+            if now.cache_hits > before.cache_hits:
+                outcome = "cache_hit"
+            elif now.reused > before.reused:
+                outcome = "reused"
+            else:
+                outcome = "compiled"
+            artifact = compiled.artifact if isinstance(compiled, FirstOutput) else compiled
+            return {"graph": self.graph_id, "piece": name, "size": key, "outcome": outcome,
+                    "frozen": keep is not None, "seconds": round(seconds, 4),
+                    "package": isinstance(compiled, aot.AotPiece),
+                    "output_code": direct_call.generated_path(artifact)}
+
+        observe.artifact("sizebackend_piece", payload)
+        return compiled
+
+    def _compile_piece(self, name: str, gm, inputs, size, key, fake_mode, keep) -> CompiledPiece:
         """``keep``: ``gm`` is a frozen copy of the piece that takes only the arguments
         at these positions. Torch cannot save a frozen JIT compile, so with the disk
         cache on it is compiled ahead of time instead and stored (``cache/aot.py``);
@@ -179,7 +222,16 @@ class GraphCompiler:
                 pieces[piece.name] = sub.forward
         return Program(key, pieces)
 
-    def compile_size(
+    def compile_size(self, sg: SplitGraph, *args: Any, **kwargs: Any) -> Program | None:
+        """:meth:`_compile_size`, with its INFO line (seconds, what was compiled or
+        loaded)."""
+        size = args[2]
+        with _summary(f"graph {self.graph_id}: size {size}", len(sg.compiled_pieces)) as done:
+            program = self._compile_size(sg, *args, **kwargs)
+            done(program is not None)
+        return program
+
+    def _compile_size(
         self,
         sg: SplitGraph,
         inputs: dict[str, tuple],
@@ -283,8 +335,19 @@ class GraphCompiler:
             key = str(batch.static_size) if batch is not None else "static"
         else:
             key = "dynamic"
+        sizes = [] if static else self._sizes_in_range(fake_mode, batch.symbol)
+        observe.artifact("sizebackend_split", lambda: {
+            "graph": self.graph_id, "shape": key, "sizes": sizes,
+            "compile_mode": self.options.compile_mode,
+            "pieces": [{"name": p.name, "split_op": p.is_split_op} for p in sg.pieces],
+            "split_ops": sorted(self.options.splitting_ops),
+        })
         self.progress.expect(len(sg.compiled_pieces), f"{key} shape")
-        general = self.compile_general(sg, recorder.inputs, key)
+        with _summary(f"graph {self.graph_id}: {len(sg.pieces)} pieces "
+                      f"({len(sg.pieces) - len(sg.compiled_pieces)} split ops), "
+                      f"{key} shape", len(sg.compiled_pieces)) as done:
+            general = self.compile_general(sg, recorder.inputs, key)
+            done(True)
         # Counted only now: Dynamo may restart analysis from inside the first compile.
         COUNTERS.add("graphs")
         COUNTERS.add("pieces", len(sg.compiled_pieces))
@@ -296,10 +359,9 @@ class GraphCompiler:
             size = batch.static_size if batch is not None else None
             if cudagraphs.captures_size(self.options, size):  # e.g. size 1, 0/1-specialized
                 general = Program(key, self._captured(sg, general.pieces, size), clone_outputs=True)
-            return Runner(forward, general, {}, None, 0)
+            return Runner(forward, general, {}, None, 0, graph_id=self.graph_id)
 
         symbol = batch.symbol
-        sizes = self._sizes_in_range(fake_mode, symbol)
 
         def compile_size(size: int, args: tuple[Any, ...] | None = None) -> Program | None:
             return self.compile_size(sg, recorder.inputs, symbol, size, general, fakes, args)

@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping
 
 import torch.fx
 
+from .._torch import observe
 from .cudagraphs import clone_outputs
 from .padding import PadPlan
 from ..stats import COUNTERS
@@ -53,6 +54,17 @@ class Program:
         self.pieces = dict(pieces)  # by piece name, as bound below
         for name, fn in pieces.items():
             setattr(self, name, fn)
+
+    def profiled(self, graph_id: int) -> "Program":
+        """This program with every piece in a profiler range (``_torch/observe.py``),
+        made once; what the runner calls while a profiler runs."""
+        ranged = self.__dict__.get("_profiled")
+        if ranged is None:
+            pieces = {name: observe.ranged(observe.range_name(graph_id, name, self.key), fn)
+                      for name, fn in self.pieces.items()}
+            ranged = Program(self.key, pieces, self.check, self.clone_outputs, self.frozen)
+            self._profiled = ranged
+        return ranged
 
     def weights_changed(self, args: tuple[Any, ...]) -> bool:
         """Whether a tensor frozen into these pieces is not what ``args`` pass at its
@@ -109,6 +121,7 @@ class Runner:
         self._replaying = threading.Lock()  # held by the one call of a captured program
         self._error: BaseException | None = None
         self._guard_misses: set[int] = set()
+        self._seen: set[int] = set()  # sizes called once: their dispatch was logged
         self.background: threading.Thread | None = None
 
     def publish(self, size: int, program: Program) -> None:
@@ -150,6 +163,9 @@ class Runner:
         changed = program.frozen.changed(args)
         if changed:
             COUNTERS.add_keyed("fallbacks", "frozen_weights")
+            observe.artifact("sizebackend_fallback", lambda: {
+                "graph": self._graph_id, "size": str(size), "what": "frozen_weights",
+                "changed": list(changed)})
             if self._never_freeze is not None:
                 self._never_freeze(changed, args)
             log.log(
@@ -210,11 +226,26 @@ class Runner:
                 program = self._guard_miss(size, program)
             if program is self._general and self._pad is not None:
                 return self._padded(args, size)
+            if size not in self._seen:
+                self._first_call(size, program)
         COUNTERS.add_keyed("calls", program.key)
+        if observe.profiling():  # one flag read per call when no profiler runs
+            program = program.profiled(self._graph_id)
         if program.clone_outputs:
             with self._replaying:
                 return clone_outputs(self._forward(program, *args))
         return self._forward(program, *args)
+
+    def _first_call(self, size: int, program: Program) -> None:
+        """The dispatch decision for a size's first call, at DEBUG (one set lookup per
+        call otherwise)."""
+        self._seen.add(size)
+        if log.isEnabledFor(logging.DEBUG):
+            why = ("its own pieces" if program is not self._general else
+                   "the general pieces (pending or compiling)" if size in self._pending else
+                   "the general pieces (not a listed size, or its compile failed)")
+            log.debug("sizebackend: graph %d: first call of size %d runs %s (key %s)",
+                      self._graph_id, size, why, program.key)
 
     def _padded(self, args: tuple[Any, ...], size: int) -> Any:
         """``pad_to_size``: run on the next larger listed size's pieces, slice back."""
@@ -228,6 +259,8 @@ class Runner:
             COUNTERS.add_keyed("calls", self._general.key)
             return self._forward(self._general, *args)
         COUNTERS.add_keyed("calls", program.key)
+        if observe.profiling():
+            program = program.profiled(self._graph_id)
         if program.clone_outputs:
             with self._replaying:
                 return clone_outputs(self._pad.unpad(self._forward(program, *padded), size))
