@@ -5,6 +5,7 @@ recompile per size) and sizebackend on a small transformer (LayerNorm + SDPA + M
 then measures the runner's own per-piece overhead with the eager adaptor.
 
     python benchmarks/bench_latency.py [--sizes 1,2,4,8] [--unlisted 3,6] [--json out.json]
+                                       [--plot latency.svg]
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import dynamo_sizebackend as sb  # noqa: E402
+from dynamo_sizebackend.app import plot  # noqa: E402
 from dynamo_sizebackend.models.sdpa import TinyTransformer  # noqa: E402
 
 
@@ -71,7 +73,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads; 1 keeps figures stable on a shared 2-core machine")
     p.add_argument("--json")
+    p.add_argument("--plot", metavar="FILE",
+                   help="draw per-size latency of every variant: .svg, or .png (matplotlib)")
     args = p.parse_args(argv)
+    if args.plot:
+        plot.check_path(args.plot)
     listed = [int(s) for s in args.sizes.split(",")]
     unlisted = [int(s) for s in args.unlisted.split(",")]
     sizes = sorted(listed + unlisted)
@@ -133,6 +139,17 @@ def main(argv=None) -> int:
     overhead = runner_overhead()
     print(f"runner overhead: {overhead:.2f} us per piece (target < 10)")
     print(f"stats: {json.dumps(sb.stats().to_dict())}")
+    if args.plot:
+        groups = [f"{n}{'*' if n in listed else ''}" for n in sizes]
+        plot.write(args.plot, f"per-call latency, {args.layers} layers, dim {args.dim}, seq "
+                              f"{args.seq} (* listed size)", [
+            plot.Panel("median us per call (lower is better)", "us", groups,
+                       {k: [results[k][n] * 1e6 for n in sizes] for k in variants}),
+            plot.Panel("ratio to dynamic=False", "x", groups,
+                       {k: [results[k][n] / results["dynamic=False"][n] for n in sizes]
+                        for k in variants}),
+        ])
+        print(f"wrote {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "runner_overhead_us_per_piece": overhead}, f, indent=2)

@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from . import plot
 from ..compile.progress import stderr_is_terminal
 from ..models.llama import PRESETS, SizeLlama, build_model
 from .scheduler import Request, Scheduler, make_requests, plan, size_histogram
@@ -101,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
                         "busy core skew the ratios; more on a quiet machine")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the requests")
     p.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    p.add_argument("--plot", metavar="FILE",
+                   help="also draw output tokens/s and init seconds of every variant: "
+                        ".svg (no dependency) or .png (needs matplotlib)")
     return p
 
 
@@ -395,6 +399,11 @@ def _check_args(args: argparse.Namespace) -> list[str]:
         value = getattr(args, flag)
         if value is not None and value < 1:
             _parser().error(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.plot:
+        try:
+            plot.check_path(args.plot)  # before minutes of compiles, not after
+        except ValueError as e:
+            _parser().error(str(e))
     return names
 
 
@@ -443,6 +452,14 @@ def _run(args: argparse.Namespace, names: list[str]) -> int:
     if sb_result is not None:
         report_stats(sb_result, sizes)
 
+    if args.plot:
+        plot.write(args.plot, f"sizebackend bench: model {args.model}, sizes {sizes}", [
+            plot.Panel("output tokens/s (higher is better)", "tokens/s", ["fastest run"],
+                       {name: [row["output_tokens_per_s"]] for name, row in rows.items()}),
+            plot.Panel("init: warm-up with compiles (lower is better)", "seconds", ["init"],
+                       {name: [row["init_seconds"]] for name, row in rows.items()}),
+        ])
+        print(f"wrote {args.plot}")
     if args.json:
         payload = {
             "config": {k: v for k, v in vars(args).items() if k != "json"},

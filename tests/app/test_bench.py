@@ -1,5 +1,6 @@
 """The benchmark's scheduler and an end-to-end ``sizebackend bench`` run on the tiny model."""
 import json
+from xml.etree import ElementTree
 
 import pytest
 import torch
@@ -95,7 +96,7 @@ def test_bench_end_to_end(tmp_path, capsys, variants):
     threads = torch.get_num_threads()
     argv = ["--model", "tiny", "--requests", "6", "--input-len", "8", "--output-len", "6",
             "--max-num-seqs", "3", "--variants", variants, "--compiler", "eager",
-            "--repeat", "1", "--json", str(out)]
+            "--repeat", "1", "--json", str(out), "--plot", str(tmp_path / "bench.svg")]
     assert bench.main(argv) == 0
     assert torch.get_num_threads() == threads  # --threads is undone on the way out
     printed = capsys.readouterr().out
@@ -108,6 +109,15 @@ def test_bench_end_to_end(tmp_path, capsys, variants):
         for key in ("requests_per_s", "total_tokens_per_s", "output_tokens_per_s",
                     "init_seconds", "run_seconds", "vs_eager"):
             assert row[key] > 0, key
+    # The picture: one bar per variant in each panel (tokens/s, init s), each bar's
+    # tooltip the figure the JSON holds.
+    svg = ElementTree.parse(tmp_path / "bench.svg").getroot()
+    bars = [r for r in svg.iter("{http://www.w3.org/2000/svg}rect") if r.get("class") == "bar"]
+    tips = [r.find("{http://www.w3.org/2000/svg}title").text for r in bars]
+    assert len(bars) == 2 * len(data["variants"])
+    for name, row in data["variants"].items():
+        assert f"{name} fastest run: {row['output_tokens_per_s']:.4g} tokens/s" in tips
+        assert f"{name} init: {row['init_seconds']:.4g} seconds" in tips
     steps = data["schedule"]["steps_per_size"]
     histogram = {int(t): n for t, n in steps.items()}
     assert data["compile_sizes"] == bench.most_frequent_sizes(histogram, 4)
@@ -118,6 +128,18 @@ def test_bench_end_to_end(tmp_path, capsys, variants):
     listed = set(data["compile_sizes"])
     specialized = sum(n for key, n in calls.items() if key != "dynamic" and int(key) in listed)
     assert specialized == sum(n for t, n in histogram.items() if t in listed)
+
+
+def test_bench_rejects_a_plot_it_cannot_write_before_running(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--plot", "out.pdf"])
+    assert "must end in .svg or .png" in capsys.readouterr().err
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:  # .png needs it: said at once, with the way out
+        with pytest.raises(SystemExit):
+            bench.main(["--plot", "out.png"])
+        assert "needs matplotlib" in capsys.readouterr().err
 
 
 def test_bench_rejects_unknown_variant():
