@@ -40,13 +40,17 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import plot
+from .peers import PEERS, PeerForward
 from ..compile.progress import stderr_is_terminal
 from ..models.llama import PRESETS, SizeLlama, build_model
 from .scheduler import Request, Scheduler, make_requests, plan, size_histogram
 from ..cache.package_worker import wait_for_packages
 from ..stats import reset_stats, stats
 
-VARIANTS = ("eager", "dynamic", "sizebackend")
+VARIANTS = ("eager", "dynamic", "sizebackend") + PEERS
+#: What ``--variants`` runs by default (``all``: every one of :data:`VARIANTS`; the tuned
+#: peers add minutes of autotuning each).
+DEFAULT_VARIANTS = ("eager", "dynamic", "sizebackend", "specialize")
 #: A greedy mismatch whose two tokens' reference logits are closer than this is a
 #: floating-point tie (fused kernels sum in another order), not a wrong result.
 TIE_TOLERANCE = 1e-3
@@ -91,8 +95,9 @@ def _parser() -> argparse.ArgumentParser:
                         "--num-compile-sizes most frequent T of the schedule")
     p.add_argument("--num-compile-sizes", type=int, default=4,
                    help="without --compile-sizes: compile for this many of the most frequent T")
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"comma-separated subset of {','.join(VARIANTS)}")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"comma-separated subset of {','.join(VARIANTS)}, or 'all' (see "
+                        "app/peers.py for the peers)")
     p.add_argument("--compiler", default="inductor", choices=("inductor", "eager"),
                    help="what compiles the pieces: 'eager' (no codegen) is for quick checks")
     p.add_argument("--repeat", type=int, default=5,
@@ -177,6 +182,8 @@ def make_variant(name: str, model: SizeLlama, compiler: str, sizes: list[int]) -
     backend = "inductor" if compiler == "inductor" else "eager"
     if name == "dynamic":
         return torch.compile(model, backend=backend, dynamic=True)
+    if name in PEERS:
+        return PeerForward(name, model, sizes, compiler)
     options = {"compile_sizes": sizes, "compiler": compiler}
     return torch.compile(model, backend="sizebackend", dynamic=True, options=options)
 
@@ -227,6 +234,9 @@ def init_variant(name: str, model: SizeLlama, w: Workload, args, sizes: list[int
     reset_stats()
     zero_kv_cache(model)
     result = Result(name, warm_up(forward, model, w, name), {})
+    if isinstance(forward, PeerForward):
+        forward.warming = False
+        result.stats = {"peer": forward.evidence()}
     if name == "sizebackend":
         result.stats = {"init": stats().to_dict()}
         # The package worker stores the frozen sized pieces for the next start; wait
@@ -361,6 +371,26 @@ def report_tokens(mismatches: list[dict], num_variants: int, w: Workload) -> Non
               f"vs {m['tokens'][1]}, reference logit gap {m['logit_gap']:.2e}")
 
 
+def report_peers(results: list[Result], rows: dict[str, dict[str, Any]],
+                 failed: dict[str, str]) -> None:
+    """How the tuned peers were set up (proof they froze and autotuned), and
+    sizebackend against the best compiled peer."""
+    for r in results:
+        peer = (r.stats or {}).get("peer")
+        if peer:
+            ops = ", ".join(f"{op} x{n}" for op, n in sorted(peer["autotuned_ops"].items()))
+            print(f"[{r.name}] autotuned at init: {ops or 'nothing'}; weights frozen "
+                  f"(prepacked linears): {'yes' if peer['frozen'] else 'NO'}")
+    for name, why in failed.items():
+        print(f"[{name}] not run: {why}")
+    peers = {n: row for n, row in rows.items() if n == "dynamic" or n in PEERS}
+    if "sizebackend" in rows and peers:
+        best = max(peers, key=lambda n: peers[n]["output_tokens_per_s"])
+        ratio = rows["sizebackend"]["output_tokens_per_s"] / peers[best]["output_tokens_per_s"]
+        print(f"sizebackend / best compiled peer ({best}), output tokens/s: {ratio:.2f}x "
+              f"(target >= 1.15)")
+
+
 def report_stats(result: Result, sizes: list[int]) -> None:
     init, run = result.stats["init"], result.stats["run"]
     calls = sorted(run["calls"].items(), key=lambda kv: -kv[1])
@@ -390,7 +420,8 @@ def _parse_sizes(text: str) -> list[int]:
 
 
 def _check_args(args: argparse.Namespace) -> list[str]:
-    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    names = list(VARIANTS) if args.variants.strip() == "all" else [
+        v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = sorted(set(names) - set(VARIANTS))
     if unknown or not names:
         _parser().error(f"--variants: unknown {unknown or 'empty list'}; "
@@ -440,7 +471,16 @@ def _run(args: argparse.Namespace, names: list[str]) -> int:
 
     torch.compiler.reset()  # the compiled variants start from nothing traced
     with torch.no_grad():
-        variants = [init_variant(name, model, w, args, sizes) for name in names]
+        variants, failed = [], {}
+        for name in names:
+            try:
+                variants.append(init_variant(name, model, w, args, sizes))
+            except Exception as e:  # a peer torch cannot run here: said, not left out
+                if name not in PEERS:
+                    raise
+                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                failed[name] = f"{type(e).__name__}: {first[:300]}"
+                print(f"[{name}] could not run: {failed[name]}")
         timed_runs(model, variants, w, args.repeat)
         results = [result for _, result in variants]
         rows = figures(w, results)
@@ -451,6 +491,7 @@ def _run(args: argparse.Namespace, names: list[str]) -> int:
     sb_result = next((r for r in results if r.name == "sizebackend"), None)
     if sb_result is not None:
         report_stats(sb_result, sizes)
+    report_peers(results, rows, failed)
 
     if args.plot:
         plot.write(args.plot, f"sizebackend bench: model {args.model}, sizes {sizes}", [
@@ -468,6 +509,7 @@ def _run(args: argparse.Namespace, names: list[str]) -> int:
                          "steps_per_size": {str(t): n for t, n in _by_frequency(w.histogram)},
                          "total_tokens": w.total_tokens, "output_tokens": w.output_tokens},
             "variants": rows,
+            "failed_variants": failed,
             "tokens_identical": not mismatches,
             "token_mismatches": mismatches,
             "sizebackend_stats": sb_result.stats if sb_result is not None else None,

@@ -90,7 +90,7 @@ def test_most_frequent_sizes_skip_one():
     assert bench.most_frequent_sizes({1: 50, 8: 40, 5: 3, 39: 7, 2: 3}, 3) == [2, 8, 39]
 
 
-@pytest.mark.parametrize("variants", ["eager,sizebackend", "eager,dynamic,sizebackend"])
+@pytest.mark.parametrize("variants", ["eager,sizebackend", "eager,dynamic,sizebackend,specialize"])
 def test_bench_end_to_end(tmp_path, capsys, variants):
     out = tmp_path / "bench.json"
     threads = torch.get_num_threads()

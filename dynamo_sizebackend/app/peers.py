@@ -1,0 +1,83 @@
+"""What a user would pick instead of this backend, configured the way it must be
+(issue 19), for ``sizebackend bench``:
+
+- ``specialize``: torch's own per-size specialization, one Dynamo trace with the token
+  dim dynamic and ``specialize_on`` one predicate per listed size
+  (``torch._dynamo.mark_dynamic(ids, 0, specialize_on=[...])``): the whole graph
+  compiled once generally and once per listed size;
+- ``specialize-tuned``: the same with the CPU tuning the backend applies to its sized
+  pieces (frozen weights + max-autotune with the C++ GEMM template);
+- ``dynamic-tuned``: ``torch.compile(dynamic=True)`` with that tuning.
+
+Three things a user trips over, handled here: Inductor freezes a ``torch.compile``
+graph only when ``torch._inductor.config.freezing`` is set while the compile runs (not
+through ``options=``), so the tuned variants set it around their warm-up, which makes
+every compile; two ``torch.compile`` wrappers with equal options share Dynamo's cache
+entries on one model, so each variant's options differ (a harmless entry of its own);
+and the marking has to be on the first call's tensors, the one Dynamo traces.
+
+Proof that a tuned variant froze and autotuned: Inductor's autotune feedback during its
+warm-up, by op name (``packed_linear`` exists only for prepacked, i.e. frozen, weights).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+
+PEERS = ("specialize", "specialize-tuned", "dynamic-tuned")
+_TUNING = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+#: One distinct (default-valued) entry per variant: equal options would share Dynamo's
+#: cache entries with another variant compiled on the same model.
+_OWN = {"specialize": {"epilogue_fusion": True}, "specialize-tuned": {"epilogue_fusion": True},
+        "dynamic-tuned": {"pattern_matcher": True}}
+
+
+class PeerForward:
+    """A peer variant's forward: marks the first call's tokens (``specialize*``) and
+    holds the tuned variants' freezing while :attr:`warming`."""
+
+    def __init__(self, name: str, model: torch.nn.Module, sizes: list[int], compiler: str = "inductor"):
+        self.name = name
+        self.sizes = list(sizes)
+        self.marked = not name.startswith("specialize")
+        if compiler == "eager":  # logic checks: a backend callable of its own, no codegen
+            self.tuned = False
+            self.compiled = torch.compile(model, dynamic=True, backend=lambda gm, _: gm.forward)
+        else:
+            self.tuned = name.endswith("-tuned")
+            options = {**(_TUNING if self.tuned else {}), **_OWN[name]}
+            self.compiled = torch.compile(model, dynamic=True, options=options)
+        self.warming = True
+        self.autotuned: Counter[str] = Counter()
+
+    def __call__(self, ids: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        if not self.marked:
+            torch._dynamo.mark_dynamic(
+                ids, 0, specialize_on=[_equals(n) for n in self.sizes])
+            self.marked = True
+        if not (self.tuned and self.warming):
+            return self.compiled(ids, *rest)
+        from torch._inductor import config, select_algorithm
+
+        def saw(timings: Any, name: str, *_: Any) -> None:
+            self.autotuned[name] += 1
+
+        select_algorithm.add_feedback_saver(saw)
+        try:
+            with config.patch(freezing=True):
+                return self.compiled(ids, *rest)
+        finally:
+            select_algorithm.clear_feedback_savers()
+
+    def evidence(self) -> dict[str, Any]:
+        """What the bench prints and writes for this variant."""
+        if not self.tuned:
+            return {}
+        return {"autotuned_ops": dict(self.autotuned),
+                "frozen": self.autotuned.get("packed_linear", 0) > 0}
+
+
+def _equals(n: int) -> Callable[[int], bool]:
+    return lambda b: b == n
