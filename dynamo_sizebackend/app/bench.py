@@ -444,10 +444,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = _check_args(args)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    # Every compiled variant compiles the same model, so their graphs are entries of
+    # one code object: Dynamo's default limit (8) is 2 graphs (T=1 and the rest) for
+    # 4 variants; past it a variant would silently run eager.
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = max(limit, 4 * len(names))
     try:
         return _run(args, names)
-    finally:  # a process-wide setting; callers in the same process keep theirs
+    finally:  # process-wide settings; callers in the same process keep theirs
         torch.set_num_threads(threads)
+        torch._dynamo.config.recompile_limit = limit
 
 
 def _run(args: argparse.Namespace, names: list[str]) -> int:
