@@ -202,37 +202,6 @@ def test_a_piece_that_writes_an_input_is_never_a_package(tmp_path):
     assert _kinds(tmp_path) == {"jit": 1}
 
 
-@torch.no_grad()
-def test_the_background_thread_loads_packages_but_never_builds_one(tmp_path):
-    # torch's AOT compile sets process-wide is_compiling/is_exporting flags for its
-    # whole duration, which change what the serving thread's compiled code does.
-    import time
-
-    def serve_until_size_4(compiled, model):
-        deadline = time.monotonic() + 300
-        served = sb.stats().calls.get("4", 0)
-        while sb.stats().calls.get("4", 0) == served:
-            torch.testing.assert_close(compiled(_x(4)), model(_x(4)), **TOL)
-            assert time.monotonic() < deadline, "background compile never finished"
-            time.sleep(0.05)
-
-    torch.manual_seed(0)
-    model = MLP().eval()
-    background = {"compile_mode": "background", "cache_dir": str(tmp_path), **FREEZE}
-    compiled = compile_sb(model, **background)
-    with sb.expect(cache_skips={"frozen": 1}, compiles={"dynamic": 1, 4: 1}):
-        serve_until_size_4(compiled, model)
-    assert _kinds(tmp_path) == {"jit": 1}  # the size-4 piece compiled, not stored
-
-    _restart()  # an eager start stores the package...
-    _run(model, tmp_path)
-    assert _kinds(tmp_path) == {"jit": 1, "aot": 1}
-    _restart()  # ...which a background start then loads
-    compiled = compile_sb(model, **background)
-    with sb.expect(compiles={}, cache_hits=2):
-        serve_until_size_4(compiled, model)
-
-
 def _serve_until_size_4(compiled, model):
     """Call at size 4 until the background thread has published it."""
     import time
@@ -244,6 +213,28 @@ def _serve_until_size_4(compiled, model):
         assert time.monotonic() < deadline, "background compile never finished"
         time.sleep(0.05)
     return compiled(_x(4))
+
+
+@torch.no_grad()
+def test_the_background_thread_loads_packages_but_never_builds_one(tmp_path):
+    # torch's AOT compile sets process-wide is_compiling/is_exporting flags for its
+    # whole duration, which change what the serving thread's compiled code does
+    # ("inline" only: the worker's builds run in a process of their own).
+    torch.manual_seed(0)
+    model = MLP().eval()
+    background = {"compile_mode": "background", "cache_dir": str(tmp_path), **FREEZE}
+    compiled = compile_sb(model, **background)
+    with sb.expect(cache_skips={"frozen": 1}, compiles={"dynamic": 1, 4: 1}):
+        _serve_until_size_4(compiled, model)
+    assert _kinds(tmp_path) == {"jit": 1}  # the size-4 piece compiled, not stored
+
+    _restart()  # an eager start stores the package...
+    _run(model, tmp_path)
+    assert _kinds(tmp_path) == {"jit": 1, "aot": 1}
+    _restart()  # ...which a background start then loads
+    compiled = compile_sb(model, **background)
+    with sb.expect(compiles={}, cache_hits=2):
+        _serve_until_size_4(compiled, model)
 
 
 @pytest.mark.parametrize("mode", ["eager", "background"])
