@@ -484,8 +484,9 @@ def _run(args: argparse.Namespace, names: list[str]) -> int:
             except Exception as e:  # a peer torch cannot run here: said, not left out
                 if name not in PEERS:
                     raise
-                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                failed[name] = f"{type(e).__name__}: {first[:300]}"
+                cause = getattr(e, "inner_exception", None) or e.__cause__ or e  # Dynamo wraps it
+                first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+                failed[name] = f"{type(e).__name__} ({type(cause).__name__}: {first[:300]})"
                 print(f"[{name}] could not run: {failed[name]}")
         timed_runs(model, variants, w, args.repeat)
         results = [result for _, result in variants]
