@@ -13,7 +13,12 @@ The variants run one after the other in this process, on the same model and work
 - ``dynamic``: ``torch.compile(model, dynamic=True)`` (Inductor);
 - ``sizebackend``: ``torch.compile(model, backend="sizebackend", dynamic=True,
   options={"compile_sizes": ...})``; by default the sizes are the ``T`` the schedule
-  produces most, known up front because the schedule is deterministic (a dry run).
+  produces most, known up front because the schedule is deterministic (a dry run);
+- the peers a user would pick instead (:mod:`.peers`): ``specialize`` (torch's own
+  ``specialize_on`` per listed size, in the default set), ``specialize-tuned`` and
+  ``dynamic-tuned`` (the same tuning as the sized pieces: frozen weights +
+  max-autotune), with ``--variants all``. A peer torch cannot compile is reported
+  with its error, not left out.
 
 Per variant, *init* is a warm-up that calls the model once at every distinct ``T`` of
 the schedule, so every Dynamo trace and compile happens there (as vLLM's "init engine"
