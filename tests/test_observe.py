@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 import dynamo_sizebackend as sb
@@ -99,3 +100,42 @@ def test_torch_trace_and_torch_logs_show_the_split_and_every_piece_compile(tmp_p
     assert sorted((p["piece"], p["size"]) for p in pieces) == [
         ("submod_0", "4"), ("submod_0", "dynamic"), ("submod_2", "4"), ("submod_2", "dynamic")]
     assert all(p["outcome"] == "compiled" and p["seconds"] >= 0 for p in pieces)
+
+
+_DEFAULTS_CHILD = textwrap.dedent("""
+    import sys
+    import torch
+    import dynamo_sizebackend as sb
+    from tests.nets import MLP
+
+    torch.manual_seed(0)
+    model = MLP().eval()
+    compiled = torch.compile(model, backend="sizebackend", dynamic=True,
+                             options={"compile_sizes": [4], "cache_dir": sys.argv[1]})
+    with torch.no_grad():
+        for n in (3, 4):
+            x = torch.randn(n, 16)
+            torch.testing.assert_close(compiled(x), model(x))
+    assert sb.wait_for_packages(timeout=300).pending == 0
+""")
+
+
+@pytest.mark.inductor
+def test_the_trace_of_a_cold_and_a_warm_start_with_the_real_defaults(tmp_path):
+    """Inductor and the real sized defaults (frozen, autotuned, stored by the package
+    worker): the cold start traces two compiles with their output code, the warm one
+    two cache hits, the size-4 one an AOT package."""
+    env = {k: v for k, v in os.environ.items() if k != "SIZEBACKEND_SIZED_INDUCTOR_OPTIONS"}
+    runs = {}
+    for start in ("cold", "warm"):
+        trace = tmp_path / start
+        subprocess.run([sys.executable, "-c", _DEFAULTS_CHILD, str(tmp_path / "cache")], cwd=REPO,
+                       env={**env, "TORCH_TRACE": str(trace)}, check=True, capture_output=True,
+                       text=True, timeout=900)
+        runs[start] = {p["size"]: p for n, p in _artifacts(trace) if n == "sizebackend_piece"}
+    cold, warm = runs["cold"], runs["warm"]
+    assert {k: (p["outcome"], p["frozen"], p["package"]) for k, p in cold.items()} == {
+        "dynamic": ("compiled", False, False), "4": ("compiled", True, False)}
+    assert os.path.exists(cold["dynamic"]["output_code"])  # Inductor's generated module
+    assert {k: (p["outcome"], p["package"]) for k, p in warm.items()} == {
+        "dynamic": ("cache_hit", False), "4": ("cache_hit", True)}

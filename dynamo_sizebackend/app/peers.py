@@ -27,7 +27,8 @@ from typing import Any, Callable
 import torch
 
 PEERS = ("specialize", "specialize-tuned", "dynamic-tuned")
-_TUNING = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+_TUNING = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+           "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
 #: One distinct (default-valued) entry per variant: equal options would share Dynamo's
 #: cache entries with another variant compiled on the same model.
 _OWN = {"specialize": {"epilogue_fusion": True}, "specialize-tuned": {"epilogue_fusion": True},
