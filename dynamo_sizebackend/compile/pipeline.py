@@ -104,7 +104,7 @@ class GraphCompiler:
         """One piece, traced (``sizebackend_piece`` under ``TORCH_TRACE``: its size, how
         it was served and the seconds); see :meth:`_compile_piece`."""
         before, start = COUNTERS.snapshot(), time.perf_counter()
-        compiled = self._compile_piece(name, gm, inputs, size, key, fake_mode, keep)
+        compiled, artifact = self._compile_piece(name, gm, inputs, size, key, fake_mode, keep)
         seconds = time.perf_counter() - start
 
         def payload() -> dict[str, Any]:
@@ -115,17 +115,18 @@ class GraphCompiler:
                 outcome = "reused"
             else:
                 outcome = "compiled"
-            artifact = compiled.artifact if isinstance(compiled, FirstOutput) else compiled
             return {"graph": self.graph_id, "piece": name, "size": key, "outcome": outcome,
                     "frozen": keep is not None, "seconds": round(seconds, 4),
-                    "package": isinstance(compiled, aot.AotPiece),
+                    "package": isinstance(artifact, aot.AotPiece),
                     "output_code": direct_call.generated_path(artifact)}
 
         observe.artifact("sizebackend_piece", payload)
         return compiled
 
-    def _compile_piece(self, name: str, gm, inputs, size, key, fake_mode, keep) -> CompiledPiece:
-        """``keep``: ``gm`` is a frozen copy of the piece that takes only the arguments
+    def _compile_piece(self, name: str, gm, inputs, size, key, fake_mode, keep
+                       ) -> tuple[CompiledPiece, Any]:
+        """The piece to call, and what compiled it (the Inductor artifact, an AOT
+        package; for the trace). ``keep``: ``gm`` is a frozen copy of the piece that takes only the arguments
         at these positions. Torch cannot save a frozen JIT compile, so with the disk
         cache on it is compiled ahead of time instead and stored (``cache/aot.py``);
         where it cannot be, it compiles on the JIT path, not cached
@@ -136,7 +137,7 @@ class GraphCompiler:
                 COUNTERS.add_keyed("cache_skips", "frozen")
             elif stored is not aot.SENT:  # SENT: the worker stores it, the JIT path serves
                 self.progress.step()
-                return stored
+                return stored, stored
         compiled = compile_piece(
             self.adaptor, gm, list(inputs), size, key=key, fake_mode=fake_mode,
             debug_dir=self.options.debug_dir, debug_name=f"graph{self.graph_id}_{name}",
@@ -144,13 +145,13 @@ class GraphCompiler:
         )
         self.progress.step()
         slow = compiled if keep is None else freeze.drop_args(compiled, keep)
-        if not self.options.direct_calls:
-            return slow
         artifact = compiled.artifact if isinstance(compiled, FirstOutput) else compiled
+        if not self.options.direct_calls:
+            return slow, artifact
         direct = direct_call.direct_call(
             artifact, returns_one=returns_one_value(gm), slow=slow, keep=keep
         )
-        return direct or slow
+        return direct or slow, artifact
 
     def _stored_frozen(self, name: str, gm, inputs, size, key, keep) -> CompiledPiece | None:
         """The frozen piece as an AOT package (loaded or compiled and stored), or
