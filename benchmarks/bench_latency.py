@@ -26,6 +26,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import dynamo_sizebackend as sb  # noqa: E402
 from dynamo_sizebackend.app import plot  # noqa: E402
+from dynamo_sizebackend.app.peers import PeerForward  # noqa: E402
 from dynamo_sizebackend.models.sdpa import TinyTransformer  # noqa: E402
 
 
@@ -73,6 +74,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads; 1 keeps figures stable on a shared 2-core machine")
     p.add_argument("--json")
+    p.add_argument("--peers", default="specialize",
+                   help="comma-separated peers of app/peers.py to add (specialize, "
+                        "specialize-tuned, dynamic-tuned); '' for none")
     p.add_argument("--plot", metavar="FILE",
                    help="draw per-size latency of every variant: .svg, or .png (matplotlib)")
     args = p.parse_args(argv)
@@ -100,12 +104,20 @@ def main(argv=None) -> int:
         "sb batch-dyn": (torch.compile(model, backend="sizebackend", options=dict(options)), marked),
         "sb unbacked": (torch.compile(model, backend="sizebackend", options=dict(options)), unbacked),
     }
+    for name in args.peers.split(",") if args.peers else ():  # app/peers.py
+        # Copies: the first call's tensor gets the specialize_on marks, which must not
+        # reach the other variants through a shared input.
+        variants[name] = (PeerForward(name, model, listed), {n: x.clone() for n, x in inputs.items()})
     results: dict[str, dict[int, float]] = {name: {} for name in variants}
     with torch.no_grad():
         for name, (fn, feed) in variants.items():
             start = time.perf_counter()
-            for n in sizes:  # compile (or warm) every size first
+            for n in sorted(sizes, reverse=True):  # compile (or warm) every size, largest first:
+                # a first call at 1 would trace static (0/1 specialization)
                 torch.testing.assert_close(fn(feed[n]), model(inputs[n]), rtol=1e-3, atol=1e-3)
+            if isinstance(fn, PeerForward):
+                fn.warming = False
+                print(f"# {name}: {fn.evidence()}", file=sys.stderr)
             print(f"# {name}: warm-up and compile {time.perf_counter() - start:.1f}s", file=sys.stderr)
         for n in sizes:
             calls = {name: functools.partial(fn, feed[n]) for name, (fn, feed) in variants.items()}
@@ -130,6 +142,12 @@ def main(argv=None) -> int:
         sta = " ".join(f"{row[f'{o}/static']:.3f}" for o in ours)
         print(f"{n:>4} {'yes' if n in listed else 'no':>6} " + " ".join(f"{us[k]:>13.1f}" for k in variants)
               + f" {dyn:>20} {sta:>20}")
+    for peer in [k for k in variants if isinstance(variants[k][0], PeerForward)]:
+        for o in ours:
+            lst = [results[o][n] / results[peer][n] for n in sizes if n in listed]
+            unl = [results[o][n] / results[peer][n] for n in sizes if n not in listed]
+            print(f"{o} / {peer}: listed max {max(lst):.3f} mean {statistics.mean(lst):.3f}; "
+                  f"unlisted max {max(unl):.3f} mean {statistics.mean(unl):.3f}")
     for o in ours:
         lst = [r[f"{o}/static"] for r in rows if r["listed"]]
         unl = [r[f"{o}/dynamic"] for r in rows if not r["listed"]]

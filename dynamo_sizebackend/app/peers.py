@@ -17,7 +17,8 @@ entries on one model, so each variant's options differ (a harmless entry of its 
 and the marking has to be on the first call's tensors, the one Dynamo traces.
 
 Proof that a tuned variant froze and autotuned: Inductor's autotune feedback during its
-warm-up, by op name (``packed_linear`` exists only for prepacked, i.e. frozen, weights).
+warm-up, by op name (``packed_linear``, ``linear_unary``, ``linear_binary`` exist only for prepacked,
+i.e. frozen, weights).
 """
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ from typing import Any, Callable
 import torch
 
 PEERS = ("specialize", "specialize-tuned", "dynamic-tuned")
+#: Autotuned ops that exist only for prepacked weights, which only freezing makes
+#: (Inductor's freezing passes pack linears for MKL/oneDNN and fuse them).
+_PREPACKED = ("packed_linear", "linear_unary", "linear_binary")
 _TUNING = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
            "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
 #: One distinct (default-valued) entry per variant: equal options would share Dynamo's
@@ -77,7 +81,7 @@ class PeerForward:
         if not self.tuned:
             return {}
         return {"autotuned_ops": dict(self.autotuned),
-                "frozen": self.autotuned.get("packed_linear", 0) > 0}
+                "frozen": any(self.autotuned.get(op, 0) for op in _PREPACKED)}
 
 
 def _equals(n: int) -> Callable[[int], bool]:
