@@ -213,12 +213,9 @@ class _Worker:
 
 
 def _failed(name: str, why: str) -> None:
-    from ..stats import COUNTERS
-    from .store import _SHARED
+    from .store import skip
 
-    COUNTERS.add_keyed("cache_skips", "aot_failed")
-    level = logging.WARNING if _SHARED.first_warning("aot_failed") else logging.DEBUG
-    log.log(level, "sizebackend cache: %s %s", name, why)
+    skip("aot_failed", "%s %s", name, why, logger=log)
 
 
 _WORKER = _Worker()

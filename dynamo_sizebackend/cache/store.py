@@ -234,6 +234,14 @@ def forget_shared() -> None:
     _SHARED.clear()
 
 
+def skip(reason: str, message: str, *args: Any, logger: logging.Logger = log) -> None:
+    """Count ``reason`` in ``cache_skips``; warn the first time per process (per
+    reason), log at DEBUG after that."""
+    COUNTERS.add_keyed("cache_skips", reason)
+    level = logging.WARNING if _SHARED.first_warning(reason) else logging.DEBUG
+    logger.log(level, "sizebackend cache: " + message, *args)
+
+
 class PieceCache:
     """The cache as ``compile_piece`` (``compile/adaptor.py``) uses it, for one options set.
 
@@ -245,10 +253,8 @@ class PieceCache:
         self.disk = disk
 
     def skip(self, reason: str, message: str, *args: Any) -> None:
-        """Count ``reason`` in ``cache_skips``; warn the first time per process."""
-        COUNTERS.add_keyed("cache_skips", reason)
-        level = logging.WARNING if _SHARED.first_warning(reason) else logging.DEBUG
-        log.log(level, "sizebackend cache: " + message, *args)
+        """See :func:`skip`."""
+        skip(reason, message, *args)
 
     def key(self, gm: torch.fx.GraphModule, inputs: Sequence[Any], runtime_size: int | None,
             config: Mapping[str, Any]) -> str | None:
