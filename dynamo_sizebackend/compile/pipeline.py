@@ -65,22 +65,24 @@ class _Recorder(torch.fx.Interpreter):
         return out
 
 
-@contextlib.contextmanager
-def _summary(what: str, pieces: int):
-    """One INFO line for a compile of ``pieces`` pieces: seconds, and how many were
-    compiled, loaded from ``cache_dir`` or reused (``TORCH_LOGS="+dynamo_sizebackend"``
-    shows it; DEBUG adds a line per piece)."""
-    before, start = COUNTERS.snapshot(), time.perf_counter()
-    outcome = {"ok": False}
-    yield lambda ok: outcome.update(ok=ok)
+def _served_since(before) -> tuple[int, int, int]:
+    """Pieces compiled, loaded from ``cache_dir`` and reused since the counters were
+    ``before`` (a :meth:`Counters.snapshot`)."""
+    now = COUNTERS.snapshot()
+    return (sum(now.compiles.values()) - sum(before.compiles.values()),
+            now.cache_hits - before.cache_hits, now.reused - before.reused)
+
+
+def _log_summary(what: str, pieces: int, before, start: float, ok: bool) -> None:
+    """One INFO line for a compile of ``pieces`` pieces begun at ``start`` with the
+    counters ``before``: seconds, and how many were compiled, loaded or reused
+    (``TORCH_LOGS="+dynamo_sizebackend"`` shows it; DEBUG adds a line per piece)."""
     if not log.isEnabledFor(logging.INFO):
         return
-    now = COUNTERS.snapshot()
-    compiled = sum(now.compiles.values()) - sum(before.compiles.values())
+    compiled, loaded, reused = _served_since(before)
     log.info("sizebackend: %s: %d pieces in %.2fs (%d compiled, %d loaded, %d reused)%s",
-             what, pieces, time.perf_counter() - start, compiled,
-             now.cache_hits - before.cache_hits, now.reused - before.reused,
-             "" if outcome["ok"] else "; failed, served by the general pieces")
+             what, pieces, time.perf_counter() - start, compiled, loaded, reused,
+             "" if ok else "; failed, served by the general pieces")
 
 
 class GraphCompiler:
@@ -108,13 +110,8 @@ class GraphCompiler:
         seconds = time.perf_counter() - start
 
         def payload() -> dict[str, Any]:
-            now = COUNTERS.snapshot()
-            if now.cache_hits > before.cache_hits:
-                outcome = "cache_hit"
-            elif now.reused > before.reused:
-                outcome = "reused"
-            else:
-                outcome = "compiled"
+            _, loaded, reused = _served_since(before)
+            outcome = "cache_hit" if loaded else "reused" if reused else "compiled"
             return {"graph": self.graph_id, "piece": name, "size": key, "outcome": outcome,
                     "frozen": keep is not None, "seconds": round(seconds, 4),
                     "package": isinstance(artifact, aot.AotPiece),
@@ -223,13 +220,23 @@ class GraphCompiler:
                 pieces[piece.name] = sub.forward
         return Program(key, pieces)
 
-    def compile_size(self, sg: SplitGraph, *args: Any, **kwargs: Any) -> Program | None:
+    def compile_size(
+        self,
+        sg: SplitGraph,
+        inputs: dict[str, tuple],
+        symbol,
+        size: int,
+        general: Program,
+        graph_inputs: list[Any],
+        args: tuple[Any, ...] | None = None,
+        session: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+    ) -> Program | None:
         """:meth:`_compile_size`, with its INFO line (seconds, what was compiled or
         loaded)."""
-        size = args[2]
-        with _summary(f"graph {self.graph_id}: size {size}", len(sg.compiled_pieces)) as done:
-            program = self._compile_size(sg, *args, **kwargs)
-            done(program is not None)
+        before, start = COUNTERS.snapshot(), time.perf_counter()
+        program = self._compile_size(sg, inputs, symbol, size, general, graph_inputs, args, session)
+        _log_summary(f"graph {self.graph_id}: size {size}", len(sg.compiled_pieces), before,
+                     start, ok=program is not None)
         return program
 
     def _compile_size(
@@ -344,11 +351,11 @@ class GraphCompiler:
             "split_ops": sorted(self.options.splitting_ops),
         })
         self.progress.expect(len(sg.compiled_pieces), f"{key} shape")
-        with _summary(f"graph {self.graph_id}: {len(sg.pieces)} pieces "
-                      f"({len(sg.pieces) - len(sg.compiled_pieces)} split ops), "
-                      f"{key} shape", len(sg.compiled_pieces)) as done:
-            general = self.compile_general(sg, recorder.inputs, key)
-            done(True)
+        before, start = COUNTERS.snapshot(), time.perf_counter()
+        general = self.compile_general(sg, recorder.inputs, key)
+        _log_summary(f"graph {self.graph_id}: {len(sg.pieces)} pieces "
+                     f"({len(sg.pieces) - len(sg.compiled_pieces)} split ops), {key} shape",
+                     len(sg.compiled_pieces), before, start, ok=True)
         # Counted only now: Dynamo may restart analysis from inside the first compile.
         COUNTERS.add("graphs")
         COUNTERS.add("pieces", len(sg.compiled_pieces))
