@@ -8,7 +8,7 @@ from torch._inductor.select_algorithm import ExternKernelCaller
 
 import dynamo_sizebackend as sb
 from dynamo_sizebackend import parse_options
-from dynamo_sizebackend._torch import autotune, direct_call, inductor
+from dynamo_sizebackend._torch import autotune, direct_call, inductor, templates
 from dynamo_sizebackend.options import SIZED_DEFAULTS
 
 from ..nets import MLP, TinyTransformer, batch, compile_sb
@@ -189,13 +189,15 @@ def test_the_default_tuning_benchmarks_no_gemm_that_measurement_decided(monkeypa
     select_algorithm.add_feedback_saver(lambda timings, name, *rest: benchmarked.append(name))
     try:
         model = MLP().eval()
-        before = dict(autotune.DECISIONS)
+        before, parses = dict(autotune.DECISIONS), dict(templates.COUNTS)
         compiled = compile_sb(model, compile_sizes=[2, 32], cache_dir=None)
         for n in (3, 2, 32):
             x = torch.randn(n, 16)
             torch.testing.assert_close(compiled(x), model(x), **TOL)
         made = {k: v - before.get(k, 0) for k, v in autotune.DECISIONS.items()}
         assert made.get("template", 0) >= 1 and made.get("aten", 0) >= 1, made
+        # The template's Jinja sources repeat within one GEMM's render: parsed once each.
+        assert templates.COUNTS["reused"] > parses["reused"], (parses, templates.COUNTS)
         assert made.get("both", 0) == 0 and benchmarked == []
         assert sb.stats().compiles == {"dynamic": 1, "2": 1, "32": 1}
 
@@ -207,3 +209,22 @@ def test_the_default_tuning_benchmarks_no_gemm_that_measurement_decided(monkeypa
         assert benchmarked, "the unpruned search benchmarked nothing"
     finally:
         select_algorithm.clear_feedback_savers()
+
+
+def test_template_sources_are_parsed_once_only_inside_our_compiles():
+    import threading
+
+    from torch._inductor.codegen.common import KernelTemplate
+
+    source = "{{ a }} and {{ b | indent_except_first(1) }}"
+    with templates.memoized():
+        first = KernelTemplate._template_from_string(source)
+        assert KernelTemplate._template_from_string(source) is first
+        assert first.render(a=1, b="x\ny") == "1 and x\n    y"
+        elsewhere = []  # another thread meanwhile gets Inductor's own parse
+        thread = threading.Thread(
+            target=lambda: elsewhere.append(KernelTemplate._template_from_string(source)))
+        thread.start()
+        thread.join()
+        assert elsewhere[0] is not first and elsewhere[0].render(a=2, b="z") == "2 and z"
+    assert KernelTemplate._template_from_string(source) is not first
