@@ -9,6 +9,17 @@ before anything is compiled (the eager adaptor needs neither):
   different pieces than a cold one and recompiled them. As a constant from the first
   trace on, both trace the same pieces, with the same cache keys.
 Frame-argument floats stay symbolic: a new value never recompiles.
+
+Why a piece cannot keep such a float symbolic when ``torch.compile``'s whole graph can
+(torch 2.13): Inductor's ``tensorify_python_scalars`` pass turns a graph's float math
+into 0-d tensor math, then specializes every float symbol of the ShapeEnv that this
+graph did not tensorify (its last loop, over ``backed_var_to_val``). Our pieces share
+Dynamo's ShapeEnv, so compiling the first piece specializes the eps of every later
+layer and restarts Dynamo: measured on the built-in Llama (2 layers) with this module's
+restart turned off, the frame was traced three times (36, 32, then 31 inputs) and the
+warm process recompiled 3 of 10 pieces. ``torch.compile``'s one graph tensorifies them
+all and keeps them as inputs, which Dynamo then wraps in a tensor on every call; the
+restart here costs one more trace at each start (about 0.5 s on that Llama) instead.
 """
 from __future__ import annotations
 
