@@ -7,7 +7,9 @@
 - :mod:`.inductor`: ``standalone_compile``, Inductor's config, artifact save/load;
 - :mod:`.direct_call`: the fast path into Inductor's generated code (with an off switch);
 - :mod:`.fx`: ``split_module`` and op-overload schemas;
-- :mod:`.process`: Python's own private exit-hook registration.
+- :mod:`.process`: Python's own private exit-hook registration;
+- :mod:`.autotune`, :mod:`.templates`: Inductor's autotune candidates and Jinja kernel
+  templates, changed for the backend's own compiles only (:mod:`.hooks`).
 
 Nothing outside this package imports ``torch._*`` or reads ``SymInt.node``.
 """

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 from collections import Counter
-from typing import Any, Iterator
+from typing import Any
+
+from .hooks import ThreadScopedHook
 
 TEMPLATE_ONLY_MAX_ROWS = 4
 ATEN_ONLY_MIN_ROWS = 16
@@ -36,11 +37,6 @@ OPTION = "sizebackend_prune_autotune"
 #: Decisions taken, by outcome (``"template"``, ``"aten"``: pruned to that kind;
 #: ``"both"``: benchmarked as Inductor would): what tests and ``--winners`` read.
 DECISIONS: Counter[str] = Counter()
-
-_state = threading.local()
-_installed = False
-_install_lock = threading.Lock()
-
 
 def _rows(choice: Any) -> int | None:
     """The output rows (all dims but the last) of a GEMM choice, ``None`` if symbolic."""
@@ -61,7 +57,7 @@ def _is_aten(choice: Any) -> bool:
 
 def prune(choices: list[Any]) -> list[Any]:
     """The candidates worth benchmarking (see the module docstring)."""
-    if not getattr(_state, "on", False) or len(choices) < 2:
+    if not _HOOK.active or len(choices) < 2:
         return choices
     aten = [c for c in choices if _is_aten(c)]
     template = [c for c in choices if not _is_aten(c)]
@@ -81,28 +77,17 @@ def prune(choices: list[Any]) -> list[Any]:
 
 
 def _install() -> None:
-    global _installed
-    with _install_lock:
-        if not _installed:
-            from torch._inductor import select_algorithm
+    from torch._inductor import select_algorithm
 
-            select_algorithm.add_preprocessing_fn(prune)
-            _installed = True
+    select_algorithm.add_preprocessing_fn(prune)
 
 
-@contextlib.contextmanager
-def pruning(on: bool) -> Iterator[None]:
+_HOOK = ThreadScopedHook(_install)
+
+
+def pruning(on: bool) -> contextlib.AbstractContextManager[None]:
     """Prune this thread's autotune candidates inside the block when ``on``."""
-    if not on:
-        yield
-        return
-    _install()
-    before = getattr(_state, "on", False)
-    _state.on = True
-    try:
-        yield
-    finally:
-        _state.on = before
+    return _HOOK.scope(on)
 
 
 def split(options: dict[str, Any]) -> tuple[dict[str, Any], bool]:

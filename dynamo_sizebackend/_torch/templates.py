@@ -20,60 +20,47 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import OrderedDict
-from typing import Any, Iterator
+from typing import Any
+
+from .hooks import ThreadScopedHook
 
 LIMIT = 256
 
-_state = threading.local()
 _memo: OrderedDict[str, Any] = OrderedDict()
 _memo_lock = threading.Lock()
-_installed = False
-_install_lock = threading.Lock()
 #: Parses and memo hits on threads inside :func:`memoized` (what tests read).
 COUNTS = {"parsed": 0, "reused": 0}
 
 
 def _install() -> None:
-    global _installed
-    with _install_lock:
-        if _installed:
-            return
-        from torch._inductor.codegen.common import KernelTemplate
+    from torch._inductor.codegen.common import KernelTemplate
 
-        parse = KernelTemplate._template_from_string
+    parse = KernelTemplate._template_from_string
 
-        def from_string(source: str) -> Any:
-            if not getattr(_state, "on", False):
-                return parse(source)
+    def from_string(source: str) -> Any:
+        if not _HOOK.active:
+            return parse(source)
+        with _memo_lock:
+            template = _memo.get(source)
+            if template is not None:
+                _memo.move_to_end(source)
+                COUNTS["reused"] += 1
+                return template
+        template = parse(source)
+        if template is not None:  # None: jinja2 missing, Inductor's own answer
             with _memo_lock:
-                template = _memo.get(source)
-                if template is not None:
-                    _memo.move_to_end(source)
-                    COUNTS["reused"] += 1
-                    return template
-            template = parse(source)
-            if template is not None:  # None: jinja2 missing, Inductor's own answer
-                with _memo_lock:
-                    COUNTS["parsed"] += 1
-                    _memo[source] = template
-                    while len(_memo) > LIMIT:
-                        _memo.popitem(last=False)
-            return template
+                COUNTS["parsed"] += 1
+                _memo[source] = template
+                while len(_memo) > LIMIT:
+                    _memo.popitem(last=False)
+        return template
 
-        KernelTemplate._template_from_string = staticmethod(from_string)
-        _installed = True
+    KernelTemplate._template_from_string = staticmethod(from_string)
 
 
-@contextlib.contextmanager
-def memoized(on: bool = True) -> Iterator[None]:
+_HOOK = ThreadScopedHook(_install)
+
+
+def memoized(on: bool = True) -> contextlib.AbstractContextManager[None]:
     """Parse each distinct template source once on this thread inside the block."""
-    if not on:
-        yield
-        return
-    _install()
-    before = getattr(_state, "on", False)
-    _state.on = True
-    try:
-        yield
-    finally:
-        _state.on = before
+    return _HOOK.scope(on)

@@ -1,0 +1,40 @@
+"""A hook put into torch once per process and active only on the threads inside a
+block: how the backend changes Inductor's behaviour for its own compiles (autotune
+pruning, template parsing) while every other caller in the process keeps torch's."""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Callable, Iterator
+
+
+class ThreadScopedHook:
+    """``install`` runs once, on the first :meth:`scope` that is on; the hook it put in
+    place asks :attr:`active` whether the calling thread is inside such a scope."""
+
+    def __init__(self, install: Callable[[], None]):
+        self._install = install
+        self._installed = False
+        self._lock = threading.Lock()
+        self._state = threading.local()
+
+    @property
+    def active(self) -> bool:
+        return getattr(self._state, "on", False)
+
+    @contextlib.contextmanager
+    def scope(self, on: bool = True) -> Iterator[None]:
+        """Make the hook active on this thread inside the block when ``on``."""
+        if not on:
+            yield
+            return
+        with self._lock:
+            if not self._installed:
+                self._install()
+                self._installed = True
+        before = self.active
+        self._state.on = True
+        try:
+            yield
+        finally:
+            self._state.on = before
