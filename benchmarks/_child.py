@@ -3,11 +3,13 @@ script is run again with ``--child SPEC`` and prints its result as the last line
 JSON. The process gets its own Inductor and sizebackend cache folders."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 import time
+from typing import Callable
 
 
 def run(script: str, spec: dict, inductor_dir: str, cache_dir: str,
@@ -24,3 +26,15 @@ def run(script: str, spec: dict, inductor_dir: str, cache_dir: str,
     if done.returncode != 0:
         raise RuntimeError(f"{spec} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1]), start, end
+
+
+def parse_or_serve(parser: argparse.ArgumentParser, child: Callable[[dict], dict],
+                   argv: list[str] | None) -> argparse.Namespace | None:
+    """The parent's arguments; or, run as ``--child SPEC`` by :func:`run`, ``None``
+    after printing ``child(SPEC)`` as the last line of JSON."""
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return None
+    return args

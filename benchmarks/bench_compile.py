@@ -108,10 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--restart-only", action="store_true",
                         help="only the warm-restart comparison with dynamic=True")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.child:
-        print(json.dumps(child(json.loads(args.child))))
+    args = _child.parse_or_serve(parser, child, argv)
+    if args is None:
         return 0
 
     sizes = [int(s) for s in args.sizes.split(",")]

@@ -126,10 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm-repeats", type=int, default=3,
                         help="warm restarts of each, alternated; the best of each counts")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.child:
-        print(json.dumps(child(json.loads(args.child))))
+    args = _child.parse_or_serve(parser, child, argv)
+    if args is None:
         return 0
     sizes = [int(s) for s in args.sizes.split(",")]
     root = tempfile.mkdtemp(prefix="bench-restart-")

@@ -77,10 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=400)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.child:
-        print(json.dumps(child(json.loads(args.child))))
+    args = _child.parse_or_serve(parser, child, argv)
+    if args is None:
         return 0
     sizes = [int(s) for s in args.sizes.split(",")]
     root = tempfile.mkdtemp(prefix="bench-rotation-")
