@@ -88,6 +88,7 @@ from .._torch import dynamo
 from ..options import SizeBackendOptions
 from ..stats import COUNTERS
 from .graph_factory import CudaGraphFactory, GraphFactory, SimulatedGraphFactory  # noqa: F401
+from .graph_factory import map_tensors as _map_tensors
 from .graph_factory import tensors_of as _tensors
 
 log = logging.getLogger(__name__)
@@ -101,16 +102,6 @@ def captures_size(options: SizeBackendOptions, size: int | None) -> bool:
     """Whether the pieces of ``size`` (a listed size, or the one size a static graph was
     traced at) are captured."""
     return options.cudagraphs and size is not None and size in options.cudagraph_sizes
-
-
-def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], values: Any) -> Any:
-    """``fn`` applied to a tensor, or to the tensors of a list or tuple (others kept)."""
-    if isinstance(values, torch.Tensor):
-        return fn(values)
-    if isinstance(values, (list, tuple)):
-        out = [fn(v) if isinstance(v, torch.Tensor) else v for v in values]
-        return type(values)(out) if isinstance(values, tuple) else out
-    return values
 
 
 @functools.cache

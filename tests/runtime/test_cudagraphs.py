@@ -1,9 +1,7 @@
 """CUDA-graph logic that needs no GPU (size rule, buffer planning), and GPU tests that
 skip cleanly without one."""
-import gc
 import logging
 import warnings
-import weakref
 
 import pytest
 import torch
@@ -141,9 +139,8 @@ def test_cudagraph_wiring_through_the_backend_on_a_simulator(monkeypatch, caplog
     assert sb.stats().captures == {"4": 3} and sb.stats().fallbacks == {}
 
 
-class OwnerSpy(SimulatedGraphFactory):
-    """The simulator, keeping its graphs so a test can take their outputs away: the only
-    owners captured outputs may have, as a real pool's blocks are owned by the pool."""
+class GraphSpy(SimulatedGraphFactory):
+    """The simulator, keeping its graphs."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -154,34 +151,26 @@ class OwnerSpy(SimulatedGraphFactory):
         self.graphs.append(graph)
         return graph, outputs
 
-    def release(self) -> list:
-        """Drop the graphs' outputs; weak references to those nothing else keeps alive."""
-        refs = [weakref.ref(t) for g in self.graphs for t in cudagraphs._tensors(g.outputs)]
-        for g in self.graphs:
-            g.outputs = None
-        gc.collect()
-        return [r for r in refs if r() is not None]
-
 
 def test_pieces_hold_captured_outputs_weakly():
     w = torch.randn(8, 8)
     first, second = _two_pieces(w)
-    factory, stable = OwnerSpy(), StablePointers()
+    factory, stable = GraphSpy(), StablePointers()
     p1 = CudaGraphPiece(first, 4, factory, stable, warmups=0, static_inputs=frozenset({1}))
     p2 = CudaGraphPiece(second, 4, factory, stable, warmups=0)
-    for _ in range(3):  # 1 capture, 2 replays
+    for step in range(3):  # 1 capture, 2 replays
         x = torch.randn(4, 8)
         (h,) = p1(x, w)
         torch.testing.assert_close(clone_outputs(p2(h))[0], torch.relu(x @ w) + 1)
+        # The capture hands on the owning output, a replay a weak view of it.
+        assert factory.live_blocks() == (1 if step == 0 else 0)
     del h
-    # Same memory as what the graphs own, through tensors of their own: the piece's
-    # outputs and the second piece's buffer for the first one's output.
-    owned = [g.outputs[0] for g in factory.graphs]
-    assert [p.outputs[0].data_ptr() for p in (p1, p2)] == [t.data_ptr() for t in owned]
-    assert p2.buffers[0].data_ptr() == owned[0].data_ptr()
-    assert all(p.outputs[0] is not t for p, t in zip((p1, p2), owned))
-    del owned
-    assert factory.release() == []  # the pieces kept none of them alive
+    # The pieces read and write the pool's blocks (the graphs' outputs and the second
+    # piece's buffer for the first one's output) through views that own none of them.
+    written = [g.outputs[0].data_ptr() for g in factory.graphs]
+    assert [p.outputs[0].data_ptr() for p in (p1, p2)] == written
+    assert p2.buffers[0].data_ptr() == written[0]
+    assert factory.live_blocks() == 0  # the pieces kept none of them alive
     assert sb.stats().fallbacks == {}
 
 
@@ -197,7 +186,7 @@ def test_backend_replays_sizes_in_any_order_and_owns_no_capture_outputs(monkeypa
     factories = []
 
     def make_factory():
-        factories.append(OwnerSpy())
+        factories.append(GraphSpy())
         return factories[-1]
 
     monkeypatch.setattr(devices, "cuda_available", lambda: True)
@@ -213,7 +202,7 @@ def test_backend_replays_sizes_in_any_order_and_owns_no_capture_outputs(monkeypa
     assert sb.stats().captures == {"2": 3, "4": 3, "8": 3}
     assert sb.stats().fallbacks == {}
     assert len(factories) == 1 and len(factories[0].graphs) == 9
-    assert factories[0].release() == []
+    assert factories[0].live_blocks() == 0
     assert compiled is not None  # the runner and its pieces are alive all along
 
 
@@ -237,7 +226,8 @@ def test_without_weak_ref_pieces_own_their_outputs(no_weak_ref, caplog):
             x = torch.randn(4, 8)
             (h,) = p1(x, w)
             torch.testing.assert_close(clone_outputs(p2(h))[0], torch.relu(x @ w) + 1)
-    assert p1.outputs is p1.graph.outputs and p2.buffers[0] is p1.outputs[0]
+    # The pieces own what the capture returned: the pool can never hand it out again.
+    assert p2.buffers[0] is p1.outputs[0] and factory.live_blocks() == 2
     assert sb.stats().fallbacks == {"weak_ref": 2}  # one per capture
     assert len([r for r in caplog.records if "no weak_ref op" in r.getMessage()]) == 1
 
