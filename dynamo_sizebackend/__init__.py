@@ -11,7 +11,8 @@ from .cache.package_worker import wait_for_packages  # noqa: E402
 from .compile.failures import SizeCompileError  # noqa: E402
 from .compile.freeze import weights_updated  # noqa: E402
 from .options import SizeBackendOptions, check_options, parse_options  # noqa: E402
+from .ranks import compare_ranks  # noqa: E402
 from .stats import expect, reset_stats, stats  # noqa: E402
 
 __all__ = ["SizeBackendOptions", "SizeCompileError", "parse_options", "check_options", "stats", "reset_stats", "expect",
-           "weights_updated", "wait_for_packages"]
+           "weights_updated", "wait_for_packages", "compare_ranks"]

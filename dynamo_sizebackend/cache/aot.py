@@ -35,7 +35,9 @@ background thread built a package raised ``KeyError: 'custom'`` in
 ``fx.traceback.annotate``, which Dynamo's wrapper enters only when exporting. So with
 ``"inline"`` the background thread only loads packages (a missing one compiles on the
 JIT path, ``cache_skips["frozen"]``), and an inline build in the caller's thread has
-the same effect on other serving threads: the worker has neither problem.
+the same effect on other serving threads: the worker has neither problem. A piece
+holding collectives (a tensor-parallel model) is built inline whatever the mode:
+AOTInductor looks its process group up by name, and only this process has it.
 
 An AOT package is called through its loader's flat ``run(tensors)``: the piece's int
 arguments are constants of the package (static at this size), so only its tensor
@@ -52,7 +54,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx
 
-from .._torch import inductor
+from .._torch import distributed, inductor
 from ..stats import COUNTERS
 from . import package_worker
 from .store import PieceCache
@@ -202,6 +204,10 @@ def compile_or_load(
         finally:
             os.unlink(path)
 
+    if mode == "worker" and distributed.group_names(gm):
+        # Collectives (tensor parallel): AOTInductor resolves their process group by
+        # name while it lowers them, and the worker process has none; built here.
+        mode = "inline"
     if mode == "worker":
         package = _via_worker(cache, artifact_key, gm, example, config, key, name)
         if package is SENT or package is None:

@@ -18,7 +18,12 @@ graph *inputs*) share one. The key hashes:
   and what the ShapeEnv assumes about them (its guards, written by input position):
   Inductor may rely on any of those facts, so an artifact fits only where they hold;
 - the runtime size (or ``"dynamic"``), grad mode, and the host (CPU ISA, GPU model):
-  a CPU artifact holds machine code built for the ISA it was compiled on.
+  a CPU artifact holds machine code built for the ISA it was compiled on;
+- for a piece holding collectives (tensor parallel), the process group behind every
+  group name it uses: size and global ranks (:func:`collective_groups`). Not the rank
+  of this process: the generated code calls the collective by group name and is the
+  same on every rank, so ranks on one ``cache_dir`` share a piece whose weights are
+  inputs; a frozen piece holds its rank's shard, whose values the key hashes.
 
 A graph holding something this module cannot write canonically (a submodule call, a
 non-tensor attribute, an argument of an unknown type) gets no key; it is then compiled
@@ -35,7 +40,7 @@ import torch
 import torch.fx
 
 from .. import _torch
-from .._torch import fx, inductor, shape_env
+from .._torch import distributed, fx, inductor, shape_env
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +192,20 @@ def _guards(example_inputs: Sequence[Any]) -> str:
         raise Unkeyable(f"shape guards ({type(e).__name__}: {e})") from None
 
 
+def collective_groups(gm: torch.fx.GraphModule) -> str:
+    """The process groups ``gm``'s collectives name (every op argument called
+    ``group_name``), each with its size and ranks; ``""`` without collectives. Raises
+    :class:`Unkeyable` for a name this process does not know."""
+    names = distributed.group_names(gm)
+    identities = []
+    for name in sorted(names):
+        identity = distributed.group_identity(name)
+        if identity is None:
+            raise Unkeyable(f"collective over process group {name!r}, unknown to this process")
+        identities.append(identity)
+    return ";".join(identities)
+
+
 def piece_key(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -211,6 +230,9 @@ def piece_key(
             _InputWriter().write(example_inputs),
             _guards(example_inputs),
         ]
+        groups = collective_groups(gm)
+        if groups:  # appended only when present: keys of other pieces stay as they were
+            parts.append("groups:" + groups)
     except Unkeyable as e:
         log.debug("sizebackend: piece not cacheable: %s", e)
         return None

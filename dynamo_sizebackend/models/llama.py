@@ -246,7 +246,9 @@ class SizeLlama(nn.Module):
                 f"got {num_slots} and {max_len}"
             )
         weight = self.embed_tokens.weight
-        self.kv_cache_shape = (num_slots, max_len, self.config.num_kv_heads, self.config.head_dim)
+        # The layers' own head count: a tensor-parallel shard (llama_tp) holds fewer.
+        kv_heads = self.layers[0].self_attn.num_kv_heads
+        self.kv_cache_shape = (num_slots, max_len, kv_heads, self.config.head_dim)
         for layer in self.layers:
             for name in ("k_cache", "v_cache"):
                 cache = torch.zeros(self.kv_cache_shape, dtype=weight.dtype, device=weight.device)
