@@ -31,8 +31,12 @@ What is never captured (the piece runs as compiled, counted once per piece in
 - ``cudagraph_capture_failed``: the capture raised (a synchronizing op, say).
 
 Memory and addresses, the hazards this module exists for:
-- every capture of one graph shares one memory pool, so the pieces of a size reuse the
-  same blocks instead of each reserving its own;
+- the captures of one graph share memory pools: a capture call of a size (the call in
+  which some of its pieces are captured) allocates in one pool, and no two capture calls
+  of one size share a pool, while calls of different sizes do (the rule and why:
+  :class:`.graph_factory.GraphFactory`). The pieces of a size reuse each other's dead
+  blocks, sizes reuse each other's, and a pool holds as much as the largest capture call
+  it served;
 - a replay reads its inputs from the addresses seen at capture. A user tensor or an
   attention output arrives at a fresh address each call: it is copied into the capture's
   own static buffer (a clone made at capture, never a tensor the caller owns). An output
@@ -43,36 +47,49 @@ Memory and addresses, the hazards this module exists for:
 - a replay writes its outputs into the same buffers every time, so the runner clones the
   graph's final outputs before handing them to the caller.
 
-Why a piece keeps its captured outputs (and the earlier pieces' outputs it reads) only
-as weak references (``ops.weak_ref``: same memory, not owned), so that memory does not
-grow with pieces x sizes:
-- the capture call hands the *owning* outputs on down the forward, so while the later
-  pieces of that size are captured the pool sees exactly the tensors the forward still
-  needs as live, and reuses only blocks the forward is done with. When the call ends
-  the blocks go back to the pool (not to the general allocator: a private pool keeps
-  them while its graphs live), and later captures, of other sizes, may reuse them;
+What a capture owns and what it borrows. It owns its static input buffers (clones,
+outside every pool) and, only while its capture call runs, its outputs: the capture
+call hands the *owning* outputs on down the forward, so while the later pieces of that
+call are captured the pool sees exactly the tensors the forward still needs as live and
+reuses only blocks the forward is done with. After the call the pieces keep weak
+references (``ops.weak_ref``: same memory, not owned) to their outputs and to the
+earlier pieces' outputs they read (*borrowed* blocks), so memory does not grow with
+pieces x sizes; the blocks go back to their pool (a private pool keeps them while its
+graphs live), where a later capture of the same pool may be handed them. That is safe
+because such a capture is of another size, whose calls never read these blocks:
 - a replay call runs the pieces of one size in capture order, every piece rewriting its
   blocks before a later piece reads them, so what a weak reference shows is always the
-  current call's value. Nothing in the pool outlives a call: the runner clones the
-  final outputs, static input buffers are cloned outside the pool, and attention runs
-  eagerly between the pieces, allocating outside the pool;
-- hence replays of different sizes (or signatures) of one graph may overwrite each
-  other's outputs: fine one call after another, wrong if two calls run at once. The
-  runner therefore serializes the calls of its captured programs (one lock per runner,
-  see ``runtime/runner.py``).
+  current call's value. Two pieces whose outputs share a block were captured in one
+  call, where their values were never live at once; they are not in a later call either
+  (the same forward, the same order). Nothing in a pool outlives a call: the runner
+  clones the final outputs, static input buffers are outside the pools, and attention
+  runs eagerly between the pieces, allocating outside them;
+- a piece that replays while an earlier one ran uncaptured or replayed another capture
+  finds its borrowed input at another address and copies it into the borrowed block:
+  in this call no capture allocates in that block's pool (it already served this
+  size), and the pieces of that capture call that share the block are not live now
+  (above), so the copy overwrites nothing anyone will read;
+- replays of different sizes (or signatures) of one graph overwrite each other's
+  blocks and buffers: fine one call after another, wrong if two calls run at once. The
+  runner serializes the calls of its captured programs (one lock per runner, see
+  ``runtime/runner.py``) on the host, and the factory on the device: a call on another
+  stream than the previous call waits for that stream first.
+No caller-visible tensor is ever in a pool: the caller gets clones, and the only pool
+tensors the forward holds are the current call's.
 Without ``weak_ref`` in the loaded extension (a stale build) pieces keep owning
 references: correct, memory grows as before; counted in ``fallbacks["weak_ref"]``.
 
-Captures and other threads: a capture records every CUDA call of the process unless it
-runs in thread-local mode, so captures use ``capture_error_mode="thread_local"`` and run
-under Dynamo's compile lock, taken without waiting: while another thread compiles (a
-Dynamo compile, a lazy size), the call runs uncaptured and the capture waits for a later
-call. ``compile_mode="background"`` with cudagraphs is refused by the options: it has
-not run on a GPU yet.
+Captures and other threads: captures record on a private stream of the factory with
+``capture_error_mode="thread_local"`` (the caller's stream would record what other
+threads enqueue on it meanwhile; thread-local mode keeps other threads' CUDA calls from
+invalidating the capture) and run under Dynamo's compile lock, taken without waiting:
+while another thread compiles (a Dynamo compile, a lazy size), the call runs
+uncaptured and the capture waits for a later call. ``compile_mode="background"`` with
+cudagraphs is refused by the options: it has not run on a GPU yet.
 
 Capture and replay go through a small ``GraphFactory`` (:mod:`.graph_factory`) so that
-the planning logic is tested on CPU with a simulator that has the same buffer semantics
-as a CUDA graph.
+the planning logic is tested on CPU with a simulator that has a CUDA graph's buffer,
+pool and stream semantics.
 """
 from __future__ import annotations
 
@@ -199,9 +216,10 @@ class CudaGraphPiece:
     """One compiled piece at one size: per input signature ``warmups`` plain runs, one
     capture, then replays. Not thread-safe on its own: the runner serializes calls.
 
-    ``prepares``: this piece starts a batch of captures (the first captured piece of its
-    size), so its captures do the once-per-batch synchronize, ``gc`` and
-    ``empty_cache``; the later pieces of the size skip them."""
+    ``prepares``: the first captured piece of its size (FX runs the pieces in node
+    order, so it runs first in every call of the size): it tells the factory that a
+    call starts (stream order, the call's pool) and its captures do the once-per-batch
+    ``gc`` and ``empty_cache``; the later pieces of the size skip them."""
 
     def __init__(
         self,
@@ -256,6 +274,8 @@ class CudaGraphPiece:
                         self.size, why, key)
 
     def __call__(self, *args: Any) -> Any:
+        if self.prepares:  # the first captured piece of the size: a call starts
+            self.factory.begin_call(self.size)
         if torch.is_grad_enabled() and any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args
         ):

@@ -27,7 +27,26 @@ class CapturedGraph(Protocol):
 
 
 class GraphFactory:
-    """Capture policy shared by the real factory and the simulator.
+    """Capture policy shared by the real factory and the simulator: which pool a
+    capture allocates in, which stream it records on, what orders a replay.
+
+    - **Pools.** A capture call of a size (one call of its pieces in which one or more
+      of them are captured) allocates in one pool, and no two capture calls of one size
+      share a pool; calls of different sizes do (:meth:`begin_call`). Why: a capture
+      may be handed any block of its pool that no tensor *owns*, and the pieces hold
+      what earlier captures allocated only weakly. Within one call the forward owns
+      what it still needs, so the pool sees the true liveness; in a later call of the
+      same size the pieces that replay return weak views, and a capture sharing their
+      pool could allocate over them (and over its own inputs). A call of another size
+      never reads this size's blocks, so sharing with it is safe, and memory is one pool
+      per capture call of the size captured most often, not one per capture.
+    - **Streams.** Every capture records on a private stream of the factory, fenced
+      both ways with the caller's current stream: recording on the caller's stream would
+      take in whatever other threads enqueue there meanwhile (``thread_local`` capture
+      mode guards API calls, not stream work). Replays run on the caller's stream, and
+      a call on another stream than the factory's previous call first waits for that
+      stream: the runner's lock orders the host, not the device, and the two calls share
+      the pool and the input buffers.
 
     ``device_type``: tensors on other devices are never captured
     (``fallbacks["cudagraph_device"]``)."""
@@ -35,11 +54,18 @@ class GraphFactory:
     device_type: str
 
     def __init__(self) -> None:
-        self.pool = self._new_pool()
+        self.pools: list[tuple[Any, set[int | None]]] = []  # each with the sizes it served
         self.prepares = 0
+        self._capture_stream: Any = None
+        self._last_stream: Any = None
+        self._call_size: int | None = None
+        self._call_pool: Any = None
 
     # -- device hooks -----------------------------------------------------------------
     def current_stream(self) -> Any:
+        raise NotImplementedError
+
+    def default_stream(self) -> Any:
         raise NotImplementedError
 
     def _new_stream(self) -> Any:
@@ -63,7 +89,28 @@ class GraphFactory:
 
     # -- policy -----------------------------------------------------------------------
     def begin_call(self, size: int | None) -> None:
-        """A call of ``size``'s pieces starts (called by its first captured piece)."""
+        """A call of ``size``'s pieces starts (its first captured piece says so, under
+        the runner's lock): order it after the previous call's stream, and let its
+        captures, if any, pick their pool."""
+        current = self.current_stream()
+        last = self._last_stream
+        if last is not None and last != current:
+            current.wait_stream(last)
+        self._last_stream = current
+        self._call_size, self._call_pool = size, None
+
+    def _pool(self) -> Any:
+        """This call's pool: the first one no capture call of its size used, or a new one."""
+        if self._call_pool is None:
+            for pool, sizes in self.pools:
+                if self._call_size not in sizes:
+                    break
+            else:
+                pool, sizes = self._new_pool(), set()
+                self.pools.append((pool, sizes))
+            sizes.add(self._call_size)
+            self._call_pool = pool
+        return self._call_pool
 
     def capture(self, fn: Callable[[], Any], inputs: Sequence[Any] = (),
                 prepare: bool = True) -> tuple[CapturedGraph, Any]:
@@ -74,24 +121,20 @@ class GraphFactory:
         if prepare:
             self.prepares += 1
             self._free_cached()
-        stream = self._capture_stream(current)
+        stream = self._stream_for_capture(current)
         if stream is not current:
             stream.wait_stream(current)  # the input buffers were written on ``current``
-        graph, outputs = self._record(fn, inputs, self.pool, stream)
+        graph, outputs = self._record(fn, inputs, self._pool(), stream)
         if stream is not current:
             current.wait_stream(stream)
         graph.replay()  # capture records the kernels without running them
         return graph, outputs
 
-    def _capture_stream(self, current: Any) -> Any:
-        if current != self._default_stream():
-            return current
-        if getattr(self, "_side", None) is None:
-            self._side = self._new_stream()
-        return self._side
-
-    def _default_stream(self) -> Any:
-        raise NotImplementedError
+    def _stream_for_capture(self, current: Any) -> Any:
+        """The factory's private capture stream, whatever ``current`` is."""
+        if self._capture_stream is None:
+            self._capture_stream = self._new_stream()
+        return self._capture_stream
 
 
 class CudaGraphFactory(GraphFactory):
@@ -111,7 +154,7 @@ class CudaGraphFactory(GraphFactory):
     def current_stream(self):
         return torch.cuda.current_stream()
 
-    def _default_stream(self):
+    def default_stream(self):
         return torch.cuda.default_stream()
 
     def _new_stream(self):
@@ -292,12 +335,12 @@ class SimulatedGraphFactory(GraphFactory):
     def live_blocks(self) -> int:
         """Blocks of this factory's pools that a tensor owns now (what a real pool
         could not hand out again)."""
-        return sum(not b.free() for b in self.pool.blocks)
+        return sum(not b.free() for pool, _ in self.pools for b in pool.blocks)
 
     def current_stream(self) -> SimulatedStream:
         return getattr(_current, "stream", DEFAULT_STREAM)
 
-    def _default_stream(self) -> SimulatedStream:
+    def default_stream(self) -> SimulatedStream:
         return DEFAULT_STREAM
 
     def _new_stream(self) -> SimulatedStream:

@@ -10,11 +10,13 @@ Concurrency: programs are never mutated after they are published, and a call of
 uncaptured pieces touches no state of the runner but counters (which lock), so
 concurrent calls of one runner need no lock of the runner's. Captured programs
 (``cudagraphs``) are different: their pieces copy inputs into fixed buffers, replay into
-fixed output buffers shared by every size of the graph (one memory pool), and count
+fixed output buffers that the sizes of the graph share (its memory pools), and count
 warm-ups and record captures as they go (see ``runtime/cudagraphs.py``). Two such calls
 at once would read each other's inputs and outputs, so the runner holds one lock of its
 own from a captured program's first piece until its outputs are cloned; concurrent
-callers of a captured graph are safe, and take turns.
+callers of a captured graph are safe, and take turns. The lock orders the host only:
+the device order between callers on different streams is the graph factory's (a call
+on another stream first waits for the previous call's, ``runtime/graph_factory.py``).
 """
 from __future__ import annotations
 

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import dynamo_sizebackend as sb
-from dynamo_sizebackend import devices
 from dynamo_sizebackend._torch import dynamo
 from dynamo_sizebackend.compile import pipeline
 from dynamo_sizebackend.runtime import cudagraphs
@@ -24,21 +23,6 @@ from dynamo_sizebackend.runtime.cudagraphs import (
 
 from ..nets import TinyTransformer, batch, compile_sb
 from ..spies import run_threads
-
-
-@pytest.fixture
-def simulator(monkeypatch):
-    """The backend believes CUDA is there and captures on simulated graphs; the list
-    holds every factory it made (one per Dynamo graph)."""
-    factories: list[SimulatedGraphFactory] = []
-
-    def make():
-        factories.append(SimulatedGraphFactory())
-        return factories[-1]
-
-    monkeypatch.setattr(devices, "cuda_available", lambda: True)
-    monkeypatch.setattr(pipeline.cudagraphs, "CudaGraphFactory", make)
-    return factories
 
 
 def _cg(model, **options):

@@ -264,10 +264,11 @@ def test_cuda_capture_outputs_go_back_to_the_pool():
 
 @gpu
 @torch.no_grad()
-def test_cuda_captures_per_signature_on_the_current_stream():
-    """Two sequence lengths and two int values, captured on a non-default current stream
-    (no side stream made), each replayed correctly; then on the default stream, where
-    the factory must use a side stream of its own."""
+def test_cuda_captures_per_signature_on_a_private_stream():
+    """Two sequence lengths and two int values, called on a non-default current stream,
+    each replayed correctly; every capture records on the factory's one private stream
+    (issue 20: never the caller's, which other threads may enqueue on), also when the
+    caller is on the default stream."""
     from dynamo_sizebackend.runtime.cudagraphs import CudaGraphFactory
 
     w = torch.randn(16, 16, device="cuda")
@@ -280,12 +281,13 @@ def test_cuda_captures_per_signature_on_the_current_stream():
             x = torch.randn(4, seq, 16, device="cuda")
             torch.testing.assert_close(clone_outputs(piece(x, w, n))[0], fn(x, w, n)[0])
     torch.cuda.synchronize()
-    assert len(piece.captures) == 3 and factory._side is None
+    private = factory._capture_stream
+    assert len(piece.captures) == 3 and private is not None and private != stream
     assert factory.prepares == 3  # a lone piece starts every batch
     x = torch.randn(4, 16, 16, device="cuda")
     for _ in range(3):
         torch.testing.assert_close(clone_outputs(piece(x, w, 2))[0], fn(x, w, 2)[0])
-    assert factory._side is not None and len(piece.captures) == 4
+    assert factory._capture_stream is private and len(piece.captures) == 4
 
 
 @gpu
