@@ -258,8 +258,8 @@ class SimulatedPool:
             torch.Tensor, "SimulatedPool.Block"]:
         """An owning tensor with ``like``'s shape, strides and dtype over a block of the
         pool: the best fit among ``free`` (taken out of it), else a new block."""
-        span = 1 + sum((n - 1) * s for n, s in zip(like.shape, like.stride())) if like.numel() else 1
-        nbytes = span * like.element_size()
+        span = 1 + sum((n - 1) * s for n, s in zip(like.shape, like.stride()))
+        nbytes = (span if like.numel() else 1) * like.element_size()
         fits = [b for b in free if b.memory.numel() >= nbytes]
         if fits:
             block = min(fits, key=lambda b: b.memory.numel())

@@ -298,6 +298,43 @@ def test_replays_on_two_streams_are_ordered(device):
     assert len(results) == 12 and len(piece.captures) == 1
 
 
+@torch.no_grad()
+def test_through_the_backend_calls_on_two_streams_are_ordered(simulator):
+    """The runner's calls, two threads on streams of their own taking turns: the first
+    captured piece of the size orders each call after the previous one's stream."""
+    from ..nets import TinyTransformer
+
+    model = TinyTransformer(layers=1).eval()
+    compiled = compile_sb(model, compiler="eager", cudagraphs=True, cache_dir=None,
+                          compile_sizes=[4])
+    inputs = [batch(4, seed=s) for s in range(4)]
+    expected = [model(x) for x in inputs]
+    for x in inputs[:2]:  # warm-up and capture on the default stream
+        compiled(x)
+    turn = [threading.Semaphore(1), threading.Semaphore(0)]
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        with torch.no_grad(), simulated_stream(SimulatedStream(f"thread {i}")):
+            for r in range(4):
+                turn[i].acquire()
+                try:
+                    k = (i + r) % len(inputs)
+                    torch.testing.assert_close(compiled(inputs[k]), expected[k])
+                except BaseException as e:
+                    errors.append(e)
+                finally:
+                    turn[1 - i].release()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    assert sb.stats().captures == {"4": 2} and sb.stats().calls == {"4": 10}
+
+
 # -- case 3: the capture stream ------------------------------------------------------------
 
 
