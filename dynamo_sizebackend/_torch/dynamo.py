@@ -118,7 +118,7 @@ def dynamo_control_flow() -> tuple[type, ...]:
     )
 
 
-def attribute_float_symbols(gm: torch.fx.GraphModule) -> dict[str, str]:
+def attribute_float_symbols(graph: torch.fx.Graph) -> dict[str, str]:
     """Float symbols (``zf0``: the source each came from) of the graph's Python float
     inputs that Dynamo read from an attribute, a global or a container, as opposed to a
     frame argument: ``L['self'].eps`` is listed, ``L['temperature']`` is not. Dynamo
@@ -126,7 +126,7 @@ def attribute_float_symbols(gm: torch.fx.GraphModule) -> dict[str, str]:
     from torch._dynamo.source import LocalSource
 
     found = {}
-    for node in gm.graph.nodes:
+    for node in graph.nodes:
         if node.op != "placeholder":
             continue
         arg = node.meta.get("grapharg")
@@ -155,6 +155,41 @@ def restart_with_floats_specialized(names: set[str]) -> None:
     for name in fresh:
         TensorifyState.specialize(name)
     raise TensorifyScalarRestartAnalysis
+
+
+_FLOAT_HOOK_INSTALLED = False
+
+
+def specialize_attribute_floats_when(applies: Callable[[Any], bool]) -> None:
+    """Make Dynamo trace the attribute floats of a frame as constants in its first
+    trace, for frames whose compiler ``applies(compiler_fn)`` to (installed once per
+    process; Dynamo's own ``compiler_fn``, as ``OutputGraph`` holds it, is passed).
+
+    How: Dynamo turns the floats that ``TensorifyState`` names into constants (under a
+    guard) when it finishes the frame's graph, before the backend sees it
+    (``OutputGraph.remove_tensorify_specialized_graphargs``, torch 2.13); until then a
+    float is symbolic in both traces. Naming the attribute floats there gives the graph
+    that :func:`restart_with_floats_specialized` gets only from a second trace."""
+    global _FLOAT_HOOK_INSTALLED
+    if _FLOAT_HOOK_INSTALLED:
+        return
+    from torch._dynamo.output_graph import OutputGraph
+    from torch._dynamo.symbolic_convert import TensorifyState
+
+    finish = OutputGraph.remove_tensorify_specialized_graphargs
+
+    def remove_tensorify_specialized_graphargs(self: Any) -> None:
+        if applies(getattr(self, "compiler_fn", None)):
+            found = attribute_float_symbols(self.graph)
+            for name in found:
+                TensorifyState.specialize(name)
+            if found:
+                _log.info("sizebackend: float attributes %s traced as constants",
+                         sorted(found.values()))
+        finish(self)
+
+    OutputGraph.remove_tensorify_specialized_graphargs = remove_tensorify_specialized_graphargs
+    _FLOAT_HOOK_INSTALLED = True
 
 
 @contextlib.contextmanager
