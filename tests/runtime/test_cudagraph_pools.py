@@ -19,6 +19,7 @@ from torch import nn
 import dynamo_sizebackend as sb
 from dynamo_sizebackend import devices
 from dynamo_sizebackend.compile import pipeline
+from dynamo_sizebackend.runtime import cudagraphs
 from dynamo_sizebackend.runtime.cudagraphs import (
     CudaGraphFactory,
     CudaGraphPiece,
@@ -147,15 +148,19 @@ def _rotary_pieces(device: Device, lock=None):
 
 
 @torch.no_grad()
-def test_a_piece_whose_signature_alone_changed_is_captured_apart(device):
+def test_a_piece_whose_signature_alone_changed_is_captured_apart(device, monkeypatch):
     """n = 2 captures the 3 pieces in one call; n = 3 changes piece 1's signature only,
     so it is captured in a call where piece 0 replayed: ``h`` and ``cos`` were held
-    weakly, free to the allocator, and the capture, in their pool, allocated over them."""
+    weakly, free to the allocator, and the capture, in their pool, allocated over them.
+    n = 4 is one signature past ``MAX_CAPTURES``: piece 1 runs uncaptured between two
+    replays, and piece 2 copies its output into the block it borrows."""
+    monkeypatch.setattr(cudagraphs, "MAX_CAPTURES", 2)
     factory, run, eager, pieces = _rotary_pieces(device)
-    for n in (2, 2, 2, 3, 3, 3, 2, 3):  # per n: warm-up, capture, replays
+    for n in (2, 2, 2, 3, 3, 3, 4, 4, 2, 3, 4):  # per n: warm-up, capture, replays
         x = torch.randn(4, 8, device=device.type)
         _close(device, run(x, n), eager(x, n))
     assert [len(p.captures) for p in pieces] == [1, 2, 1]
+    assert sb.stats().fallbacks == {"cudagraph_captures": 1}
     if device.policy == "fixed":  # the second capture call of size 4 in a pool of its own
         assert len(factory.pools) == 2
 
