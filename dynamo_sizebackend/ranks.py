@@ -38,12 +38,14 @@ class RankReport:
         return not self.differences
 
 
-def compare_ranks(group: dist.ProcessGroup | None = None) -> RankReport:
-    """Gather every rank's ``sb.stats()`` and list where they differ (:data:`COMPARED`).
+def compare_ranks(group: dist.ProcessGroup | None = None,
+                  snapshot: dict[str, Any] | None = None) -> RankReport:
+    """Gather every rank's ``sb.stats().to_dict()`` (or ``snapshot``, a dict with the
+    same fields) and list where they differ (:data:`COMPARED`).
 
     A collective: every rank of ``group`` (default: the default group) must call it at
     the same point, e.g. after a warm-up or at the end of a benchmark."""
-    mine = stats().to_dict()
+    mine = stats().to_dict() if snapshot is None else snapshot
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
     differences = []

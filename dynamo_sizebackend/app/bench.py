@@ -44,10 +44,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import plot
+from . import plot, tp
 from .peers import PEERS, PeerForward
 from ..compile.progress import stderr_is_terminal
-from ..models.llama import PRESETS, SizeLlama, build_model
+from ..models.llama import PRESETS, SizeLlama
 from .scheduler import Request, Scheduler, make_requests, plan, size_histogram
 from ..cache.package_worker import wait_for_packages
 from ..stats import reset_stats, stats
@@ -111,6 +111,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="torch intra-op threads: 1 because OpenMP workers that spin-wait for a "
                         "busy core skew the ratios; more on a quiet machine")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the requests")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks: the model sharded over this many processes "
+                        "(spawned, or started by torchrun --nproc-per-node N); see app/tp.py")
     p.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
     p.add_argument("--plot", metavar="FILE",
                    help="also draw output tokens/s and init seconds of every variant: "
@@ -431,7 +434,7 @@ def _check_args(args: argparse.Namespace) -> list[str]:
     if unknown or not names:
         _parser().error(f"--variants: unknown {unknown or 'empty list'}; "
                         f"choose from {','.join(VARIANTS)}")
-    for flag in ("repeat", "threads", "max_num_seqs", "max_num_batched_tokens"):
+    for flag in ("repeat", "threads", "max_num_seqs", "max_num_batched_tokens", "tp"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             _parser().error(f"--{flag.replace('_', '-')} must be at least 1")
@@ -447,6 +450,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     names = _check_args(args)
+    if tp.needs_spawn(args.tp):  # each rank runs this function again, launched
+        return tp.spawn(main, list(sys.argv[1:] if argv is None else argv), args.tp)
+    with tp.process_group(args.tp) as rank:
+        if rank:  # rank 0 writes the files
+            args.json = args.plot = None
+        return _main(args, names)
+
+
+def _main(args: argparse.Namespace, names: list[str]) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     # Every compiled variant compiles the same model, so their graphs are entries of
@@ -462,7 +474,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, names: list[str]) -> int:
-    model = build_model(args.model, seed=args.seed)
+    model = tp.model(args.model, args.seed)
     cfg = model.config
     requests = make_requests(args.requests, args.input_len, args.output_len, cfg.vocab_size,
                              seed=args.seed, output_spread=args.output_spread)
@@ -503,6 +515,7 @@ def _run(args: argparse.Namespace, names: list[str]) -> int:
     sb_result = next((r for r in results if r.name == "sizebackend"), None)
     if sb_result is not None:
         report_stats(sb_result, sizes)
+    tp.report_agreement(sb_result.stats if sb_result is not None else None)
     report_peers(results, rows, failed)
 
     if args.plot:
@@ -538,7 +551,8 @@ def _by_frequency(histogram: dict[int, int]) -> list[tuple[int, int]]:
 def _print_setup(args: argparse.Namespace, cfg, w: Workload, sizes: list[int]) -> None:
     num_steps = sum(w.histogram.values())
     print(f"model {args.model}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-          f"vocab {cfg.vocab_size}; {torch.get_num_threads()} threads; "
+          f"vocab {cfg.vocab_size}; tensor parallel over {tp.world_size()} rank(s), "
+          f"{torch.get_num_threads()} threads each; "
           f"compiled variants use {args.compiler}")
     print(f"workload: {len(w.requests)} requests, input {args.input_len}, output "
           f"{args.output_len} +-{args.output_spread:.0%}, max_num_seqs {args.max_num_seqs}: "

@@ -44,7 +44,8 @@ class RowParallelLinear(nn.Module):
         self.group_name = group_name
 
     def forward(self, x: Tensor) -> Tensor:
-        return funcol.all_reduce(nn.functional.linear(x, self.weight), "sum", self.group_name)
+        return _waited(funcol.all_reduce(nn.functional.linear(x, self.weight), "sum",
+                                         self.group_name))
 
 
 class GatheredLinear(nn.Module):
@@ -58,7 +59,16 @@ class GatheredLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         local = nn.functional.linear(x, self.weight)
-        return funcol.all_gather_tensor(local, 1, self.group_name)
+        return _waited(funcol.all_gather_single(local, 1, self.group_name))
+
+
+def _waited(result: Tensor) -> Tensor:
+    """Eager only (a traced collective is already followed by its ``wait_tensor``): the
+    wait now, rather than at the result's first use, so that logits nobody reads (a
+    warm-up call's) leave no collective in flight at exit, which torch warns about."""
+    if isinstance(result, funcol.AsyncCollectiveTensor):
+        return result.wait()
+    return result
 
 
 def _rows(linear: nn.Linear, rank: int, world_size: int) -> nn.Linear:

@@ -107,23 +107,31 @@ def _collectives(ops: list[str]) -> dict[str, int]:
 # --- rank functions (run in the spawned processes) ----------------------------------
 
 
-def _matches_reference(rank, world_size, fail_sizes_on_rank1=()):
+def _eager_compiler_runs(rank, world_size):
+    """Two compiles of the shard on both ranks: first alike, then with size 4 failing
+    to compile on rank 1 only. Each: the steps and a generation against the reference."""
     import dynamo_sizebackend as sb
+    from dynamo_sizebackend.compile import adaptor
 
-    pieces = _spy_pieces(fail_sizes_on_rank1 if rank == 1 else ())
-    reference, _, compiled = _models(compile_sizes=LISTED, compiler="eager")
-    sb.reset_stats()
-    steps = _steps()
-    _mark(steps[0])
-    with torch.no_grad():
-        for step in steps:
-            torch.testing.assert_close(compiled(*step), reference(*step))
-        tokens = greedy(compiled)
-        expected_tokens = greedy(reference)
-    report = sb.compare_ranks()
-    return {"tokens": tokens, "expected_tokens": expected_tokens,
-            "stats": sb.stats().to_dict(), "pieces": [_collectives(p) for p in pieces],
-            "differences": report.differences}
+    real = adaptor.EagerAdaptor.compile
+    runs = {}
+    for name, fail in (("alike", ()), ("size_4_fails_on_rank_1", {4} if rank == 1 else ())):
+        adaptor.EagerAdaptor.compile = real
+        torch._dynamo.reset()
+        pieces = _spy_pieces(fail)
+        reference, _, compiled = _models(compile_sizes=LISTED, compiler="eager")
+        sb.reset_stats()
+        steps = _steps()
+        _mark(steps[0])
+        with torch.no_grad():
+            for step in steps:
+                torch.testing.assert_close(compiled(*step), reference(*step))
+            tokens = greedy(compiled)
+            expected_tokens = greedy(reference)
+        runs[name] = {"tokens": tokens, "expected_tokens": expected_tokens,
+                      "stats": sb.stats().to_dict(), "pieces": [_collectives(p) for p in pieces],
+                      "differences": sb.compare_ranks().differences}
+    return runs
 
 
 def _strict_failure(rank, world_size):
@@ -163,9 +171,15 @@ def _inductor_shared_cache(rank, world_size, cache_dir):
 # --- tests --------------------------------------------------------------------------
 
 
-def test_two_ranks_match_the_reference_at_listed_and_unlisted_sizes():
-    results = run_ranks(_matches_reference, timeout=120)
-    for rank, got in results.items():
+@pytest.fixture(scope="module")
+def eager_runs():
+    """One spawn of 2 ranks for the two tests below (each spawn costs seconds)."""
+    return run_ranks(_eager_compiler_runs, timeout=150)
+
+
+def test_two_ranks_match_the_reference_at_listed_and_unlisted_sizes(eager_runs):
+    for rank, runs in eager_runs.items():
+        got = runs["alike"]
         # The steps run T = 8, 4, 3, 2; the generation a prefill (T=8) and 5 decodes (T=2).
         assert got["tokens"] == got["expected_tokens"], rank
         s = got["stats"]
@@ -182,21 +196,21 @@ def test_two_ranks_match_the_reference_at_listed_and_unlisted_sizes():
         assert got["differences"] == []
 
 
-def test_a_size_that_fails_on_one_rank_is_served_by_its_general_pieces():
+def test_a_size_that_fails_on_one_rank_is_served_by_its_general_pieces(eager_runs):
     # Rank 1 cannot compile size 4: it serves T=4 with the general pieces, which hold the
     # same collectives in the same order as rank 0's sized program, so both stay right.
-    results = run_ranks(_matches_reference, {4}, timeout=120)
-    for got in results.values():
-        assert got["tokens"] == got["expected_tokens"]
-    assert results[0]["stats"]["calls"] == {"dynamic": 3, "4": 1, "2": 6}
-    assert results[0]["stats"]["fallbacks"] == {}
-    assert results[1]["stats"]["calls"] == {"dynamic": 4, "2": 6}
-    assert results[1]["stats"]["fallbacks"] == {"4": 1}
-    assert results[1]["stats"]["compiles"] == {"dynamic": 3, "2": 3}
+    got = {rank: runs["size_4_fails_on_rank_1"] for rank, runs in eager_runs.items()}
+    for one in got.values():
+        assert one["tokens"] == one["expected_tokens"]
+    assert got[0]["stats"]["calls"] == {"dynamic": 3, "4": 1, "2": 6}
+    assert got[0]["stats"]["fallbacks"] == {}
+    assert got[1]["stats"]["calls"] == {"dynamic": 4, "2": 6}
+    assert got[1]["stats"]["fallbacks"] == {"4": 1}
+    assert got[1]["stats"]["compiles"] == {"dynamic": 3, "2": 3}
     # Both ranks see the same report, naming what differs.
     expected = ["calls['4']: rank 0: 1, rank 1: 0", "calls['dynamic']: rank 0: 3, rank 1: 4",
                 "fallbacks['4']: rank 0: 0, rank 1: 1"]
-    assert results[0]["differences"] == results[1]["differences"] == expected
+    assert got[0]["differences"] == got[1]["differences"] == expected
 
 
 def test_strict_failure_on_one_rank_fails_every_rank_rather_than_hanging():
