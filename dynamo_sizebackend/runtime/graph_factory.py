@@ -117,7 +117,10 @@ class GraphFactory:
         """Capture ``fn()``, which reads ``inputs``; ``prepare``: first capture of a
         batch (free cached memory first)."""
         current = self.current_stream()
-        self._synchronize()  # cheap; what torch.cuda.graph does before every capture
+        # What torch.cuda.graph does before every capture, cheap on an idle device, and
+        # what lets this capture reuse blocks the forward freed after using them on the
+        # caller's stream (the allocator saw them freed on the capture stream only).
+        self._synchronize()
         if prepare:
             self.prepares += 1
             self._free_cached()
