@@ -256,6 +256,31 @@ def _heavy(dim: int):
     return fn
 
 
+def _take_turns(device: Device, rounds: int, step) -> list[BaseException]:
+    """Two threads, each on a stream of its own, run ``step(i, r)`` strictly in turn
+    (the host order is never in question); what they raised."""
+    turn = [threading.Semaphore(1), threading.Semaphore(0)]
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        with torch.no_grad(), device.using(device.stream()):
+            for r in range(rounds):
+                turn[i].acquire()
+                try:
+                    step(i, r)
+                except BaseException as e:
+                    errors.append(e)
+                finally:
+                    turn[1 - i].release()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return errors
+
+
 @torch.no_grad()
 def test_replays_on_two_streams_are_ordered(device):
     """Two threads, each on a stream of its own, strictly take turns on one captured
@@ -275,27 +300,13 @@ def test_replays_on_two_streams_are_ordered(device):
 
     for _ in range(2):  # warm-up, capture on this thread's stream
         call(torch.zeros(4, dim, device=device.type))
-    turn = [threading.Semaphore(1), threading.Semaphore(0)]
     results: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-    errors: list[BaseException] = []
 
-    def work(i: int) -> None:
-        with torch.no_grad(), device.using(device.stream()):
-            for r in range(6):
-                turn[i].acquire()
-                try:
-                    x = torch.full((4, dim), float(10 * i + r), device=device.type)
-                    results[i, r] = (call(x), x)
-                except BaseException as e:
-                    errors.append(e)
-                finally:
-                    turn[1 - i].release()
+    def step(i: int, r: int) -> None:
+        x = torch.full((4, dim), float(10 * i + r), device=device.type)
+        results[i, r] = (call(x), x)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    errors = _take_turns(device, 6, step)
     device.synchronize()
     assert errors == []
     for got, x in results.values():
@@ -316,27 +327,12 @@ def test_through_the_backend_calls_on_two_streams_are_ordered(simulator):
     expected = [model(x) for x in inputs]
     for x in inputs[:2]:  # warm-up and capture on the default stream
         compiled(x)
-    turn = [threading.Semaphore(1), threading.Semaphore(0)]
-    errors: list[BaseException] = []
 
-    def work(i: int) -> None:
-        with torch.no_grad(), simulated_stream(SimulatedStream(f"thread {i}")):
-            for r in range(4):
-                turn[i].acquire()
-                try:
-                    k = (i + r) % len(inputs)
-                    torch.testing.assert_close(compiled(inputs[k]), expected[k])
-                except BaseException as e:
-                    errors.append(e)
-                finally:
-                    turn[1 - i].release()
+    def step(i: int, r: int) -> None:
+        k = (i + r) % len(inputs)
+        torch.testing.assert_close(compiled(inputs[k]), expected[k])
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert errors == []
+    assert _take_turns(Device("sim", "fixed"), 4, step) == []
     assert sb.stats().captures == {"4": 2} and sb.stats().calls == {"4": 10}
 
 
