@@ -26,6 +26,9 @@ warms up); the variants are initialized one after the other. Then the full gener
 runs ``--repeat`` rounds, every variant once per round on a zeroed KV cache, and each
 variant's fastest run gives its throughput. No compilation happens in the timed runs.
 
+``--tp N`` runs all of it on N tensor-parallel ranks (:mod:`.tp`: the shards of
+``models/llama_tp``, spawned here or started by torchrun); rank 0 prints.
+
 One intra-op thread by default (``--threads``): on a machine of a couple of cores shared
 with other work, OpenMP workers that spin-wait for a core another process holds cut
 throughput several-fold (7x measured on a busy 2-core machine, every variant alike), so
@@ -48,6 +51,7 @@ from . import plot, tp
 from .peers import PEERS, PeerForward
 from ..compile.progress import stderr_is_terminal
 from ..models.llama import PRESETS, SizeLlama
+from ..models.llama_tp import check_divisible
 from .scheduler import Request, Scheduler, make_requests, plan, size_histogram
 from ..cache.package_worker import wait_for_packages
 from ..stats import reset_stats, stats
@@ -438,6 +442,10 @@ def _check_args(args: argparse.Namespace) -> list[str]:
         value = getattr(args, flag)
         if value is not None and value < 1:
             _parser().error(f"--{flag.replace('_', '-')} must be at least 1")
+    try:  # before spawning ranks that would each fail
+        check_divisible(PRESETS[args.model], args.tp)
+    except ValueError as e:
+        _parser().error(f"--tp: {e}")
     if args.plot:
         try:
             plot.check_path(args.plot)  # before minutes of compiles, not after
