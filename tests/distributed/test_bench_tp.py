@@ -6,6 +6,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from dynamo_sizebackend.app import bench
+
 
 def test_bench_tp2_spawns_its_ranks_and_reports_one_table(tmp_path):
     out = tmp_path / "bench.json"
@@ -28,3 +32,11 @@ def test_bench_tp2_spawns_its_ranks_and_reports_one_table(tmp_path):
     calls = data["sizebackend_stats"]["run"]["calls"]
     assert sum(calls.values()) == data["schedule"]["steps"]
     assert data["sizebackend_stats"]["run"]["fallbacks"] == {}
+
+
+def test_bench_tp_that_does_not_split_the_model_is_refused_before_spawning(capsys):
+    # tiny has 2 kv heads: 4 ranks cannot each hold whole ones.
+    with pytest.raises(SystemExit):
+        bench.main(["--tp", "4", "--model", "tiny"])
+    assert "--tp: tensor parallel over 4 ranks needs num_kv_heads divisible by 4, got 2" in (
+        capsys.readouterr().err)
