@@ -45,11 +45,13 @@ arguments are passed.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import tempfile
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.fx
@@ -148,6 +150,29 @@ def _via_worker(cache: PieceCache, artifact_key: str, gm: torch.fx.GraphModule,
     return SENT if sent else None
 
 
+@contextlib.contextmanager
+def _one_rank_at_a_time(gm: torch.fx.GraphModule) -> Iterator[None]:
+    """For a piece with collectives: one AOT build at a time per Inductor cache folder.
+
+    Ranks of a tensor-parallel model build the same generated code (their shards differ
+    only in the constants), and AOTInductor writes that code's files in Inductor's cache
+    folder under the code's hash, then reads them back to package them after releasing
+    its own lock: two ranks building at once read each other's half-written files
+    (measured on 2 gloo ranks: ``json.exception.parse_error ... empty input``, the piece
+    then served on the JIT path). An ``flock``, released if its holder dies."""
+    if not distributed.group_names(gm):
+        yield
+        return
+    folder = inductor.inductor_cache_dir()
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "sizebackend-aot-build.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def compile_or_load(
     cache: PieceCache,
     gm: torch.fx.GraphModule,
@@ -186,7 +211,8 @@ def compile_or_load(
             try:
                 tensors = [package_worker.zeros(package_worker.spec_of(v))
                            for v in example if isinstance(v, torch.Tensor)]
-                inductor.aot_compile_package(_Bound(gm, example), tensors, dict(config), path)
+                with _one_rank_at_a_time(gm):
+                    inductor.aot_compile_package(_Bound(gm, example), tensors, dict(config), path)
                 package = inductor.aot_load_package(path)
             except Exception as e:  # export or AOTInductor cannot take it: the JIT path
                 cache.skip("aot_failed", "%s (size %s) cannot be compiled ahead of time "
