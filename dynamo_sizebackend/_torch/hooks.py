@@ -38,3 +38,33 @@ class ThreadScopedHook:
             yield
         finally:
             self._state.on = before
+
+
+class ProcessScopedHook(ThreadScopedHook):
+    """Like :class:`ThreadScopedHook`, but :attr:`active` on every thread while any
+    thread is inside a :meth:`scope`: for torch work that a compile hands to a thread
+    pool of its own (Inductor precompiles autotune candidates on pool threads)."""
+
+    def __init__(self, install: Callable[[], None]):
+        super().__init__(install)
+        self._inside = 0
+
+    @property
+    def active(self) -> bool:
+        return self._inside > 0
+
+    @contextlib.contextmanager
+    def scope(self, on: bool = True) -> Iterator[None]:
+        if not on:
+            yield
+            return
+        with self._lock:
+            if not self._installed:
+                self._install()
+                self._installed = True
+            self._inside += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._inside -= 1

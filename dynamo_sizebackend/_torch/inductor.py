@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from . import autotune, templates
+from . import autotune, pch, templates
 from .dynamo import COMPILE_LOCK
 
 
@@ -42,7 +42,7 @@ def standalone_compile(
     inductor_options, prune = autotune.split(inductor_options)
     options = {"config_patches": dict(inductor_options)} if inductor_options else {}
     with COMPILE_LOCK, _quiet_when_frozen(inductor_options), autotune.pruning(prune), \
-            templates.memoized():
+            templates.memoized(), pch.precompiled():
         if from_graph:
             return torch._inductor.standalone_compile(
                 gm, example_inputs, dynamic_shapes="from_graph", options=options
@@ -174,7 +174,7 @@ def aot_compile_package(
     # Dynamo's, and AOTInductor's freezing would read that one's (empty) parameters.
     inductor_options, prune = autotune.split(inductor_options)
     with COMPILE_LOCK, torch._guards.tracing(None), warnings.catch_warnings(), \
-            autotune.pruning(prune), templates.memoized():
+            autotune.pruning(prune), templates.memoized(), pch.precompiled():
         # Export's functionalization reads ``out.storage()`` (TypedStorage is deprecated).
         warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
         exported = torch.export.export(module, tuple(args), strict=False)

@@ -8,7 +8,7 @@ from torch._inductor.select_algorithm import ExternKernelCaller
 
 import dynamo_sizebackend as sb
 from dynamo_sizebackend import parse_options
-from dynamo_sizebackend._torch import autotune, direct_call, inductor, templates
+from dynamo_sizebackend._torch import autotune, direct_call, inductor, pch, templates
 from dynamo_sizebackend.options import SIZED_DEFAULTS
 
 from ..nets import MLP, TinyTransformer, batch, compile_sb
@@ -202,13 +202,36 @@ def test_the_default_tuning_benchmarks_no_gemm_that_measurement_decided(monkeypa
         assert sb.stats().compiles == {"dynamic": 1, "2": 1, "32": 1}
 
         torch._dynamo.reset()
+        given = pch.COUNTS["given"]
         full = compile_sb(model, compile_sizes=[2], cache_dir=None, prune_autotune=False)
         for n in (3, 2):
             x = torch.randn(n, 16)
             torch.testing.assert_close(full(x), model(x), **TOL)
         assert benchmarked, "the unpruned search benchmarked nothing"
+        # The template candidate it benchmarked was built with the precompiled header.
+        assert pch.COUNTS["given"] > given
     finally:
         select_algorithm.clear_feedback_savers()
+
+
+def test_benchmark_candidates_get_the_precompiled_header_only_inside_our_compiles():
+    import threading
+
+    from torch._inductor.codecache import CppCodeCache, CppPythonBindingsCodeCache
+
+    kernels = CppPythonBindingsCodeCache._get_uncompiled_header("cpu")
+    assert CppCodeCache._get_uncompiled_header("cpu") is None  # torch's own answer
+    with pch.precompiled():
+        # Inductor builds candidates on a pool of its own: every thread sees it.
+        seen = []
+        thread = threading.Thread(
+            target=lambda: seen.append(CppCodeCache._get_uncompiled_header("cpu")))
+        thread.start()
+        thread.join()
+        assert seen == [kernels] == [CppCodeCache._get_uncompiled_header("cpu")]
+        assert CppCodeCache._get_uncompiled_header("cuda") is None
+        assert CppPythonBindingsCodeCache._get_uncompiled_header("cpu") == kernels
+    assert CppCodeCache._get_uncompiled_header("cpu") is None
 
 
 def test_template_sources_are_parsed_once_only_inside_our_compiles():
