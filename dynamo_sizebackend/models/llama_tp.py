@@ -49,7 +49,7 @@ class RowParallelLinear(nn.Module):
 
 
 class GatheredLinear(nn.Module):
-    """``x [T, in] -> all_gather(x @ W_shard.T, dim=-1) [T, out]``: a column-parallel
+    """``x [T, in] -> all_gather(x @ W_shard.T, dim=1) [T, out]``: a column-parallel
     linear whose output every rank gets whole (the vocab-parallel head)."""
 
     def __init__(self, weight: Tensor, group_name: str) -> None:
@@ -74,7 +74,8 @@ def _waited(result: Tensor) -> Tensor:
 def _rows(linear: nn.Linear, rank: int, world_size: int) -> nn.Linear:
     """A column-parallel shard of ``linear``: its output features ``rank`` of ``world_size``."""
     out = linear.out_features // world_size
-    shard = nn.Linear(linear.in_features, out, bias=False)
+    # On the meta device: no random init drawn from the global RNG, the weight replaced.
+    shard = nn.Linear(linear.in_features, out, bias=False, device="meta")
     shard.weight = nn.Parameter(linear.weight[rank * out:(rank + 1) * out].clone(),
                                 requires_grad=False)
     return shard
