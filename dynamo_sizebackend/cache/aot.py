@@ -35,9 +35,17 @@ background thread built a package raised ``KeyError: 'custom'`` in
 ``fx.traceback.annotate``, which Dynamo's wrapper enters only when exporting. So with
 ``"inline"`` the background thread only loads packages (a missing one compiles on the
 JIT path, ``cache_skips["frozen"]``), and an inline build in the caller's thread has
-the same effect on other serving threads: the worker has neither problem. A piece
-holding collectives (a tensor-parallel model) is built inline whatever the mode:
-AOTInductor looks its process group up by name, and only this process has it.
+the same effect on other serving threads: the worker has neither problem.
+
+A piece holding collectives (a tensor-parallel model) is never made a package; it
+compiles on the JIT path (``cache_skips["frozen"]``). Tried on 2 gloo ranks: the
+package worker cannot build one (AOTInductor resolves the collective's process group
+by name, and the worker has none: ``aot_failed``); built in the rank itself, two ranks
+building the same code at once raced in Inductor's cache folder (a JSON file read back
+empty), and with a lock against that, the Llama ``small`` at sizes 2, 5, 6, 8 (frozen,
+max-autotune) hung in its first size-2 call: both ranks waiting in ``wait_tensor``
+inside the same package, cause not found. The same sizes and options on the JIT path
+ran through (``sizebackend bench --tp 2`` without a ``cache_dir``).
 
 An AOT package is called through its loader's flat ``run(tensors)``: the piece's int
 arguments are constants of the package (static at this size), so only its tensor
@@ -45,13 +53,11 @@ arguments are passed.
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import logging
 import os
 import tempfile
 import time
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx
@@ -150,29 +156,6 @@ def _via_worker(cache: PieceCache, artifact_key: str, gm: torch.fx.GraphModule,
     return SENT if sent else None
 
 
-@contextlib.contextmanager
-def _one_rank_at_a_time(gm: torch.fx.GraphModule) -> Iterator[None]:
-    """For a piece with collectives: one AOT build at a time per Inductor cache folder.
-
-    Ranks of a tensor-parallel model build the same generated code (their shards differ
-    only in the constants), and AOTInductor writes that code's files in Inductor's cache
-    folder under the code's hash, then reads them back to package them after releasing
-    its own lock: two ranks building at once read each other's half-written files
-    (measured on 2 gloo ranks: ``json.exception.parse_error ... empty input``, the piece
-    then served on the JIT path). An ``flock``, released if its holder dies."""
-    if not distributed.group_names(gm):
-        yield
-        return
-    folder = inductor.inductor_cache_dir()
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "sizebackend-aot-build.lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def compile_or_load(
     cache: PieceCache,
     gm: torch.fx.GraphModule,
@@ -196,6 +179,10 @@ def compile_or_load(
     returns :data:`SENT`: the caller compiles the piece on the JIT path to serve now."""
     if cache.disk is None or static_reason(example) is not None:
         return None
+    if distributed.group_names(gm):  # see the module docstring: not as a package
+        log.debug("%s (size %s) holds collectives: compiled on the JIT path, not stored",
+                  name, key)
+        return None
     artifact_key = cache.key(gm, example, runtime_size, {**config, "sizebackend_kind": KIND})
     if artifact_key is None:
         return None
@@ -211,8 +198,7 @@ def compile_or_load(
             try:
                 tensors = [package_worker.zeros(package_worker.spec_of(v))
                            for v in example if isinstance(v, torch.Tensor)]
-                with _one_rank_at_a_time(gm):
-                    inductor.aot_compile_package(_Bound(gm, example), tensors, dict(config), path)
+                inductor.aot_compile_package(_Bound(gm, example), tensors, dict(config), path)
                 package = inductor.aot_load_package(path)
             except Exception as e:  # export or AOTInductor cannot take it: the JIT path
                 cache.skip("aot_failed", "%s (size %s) cannot be compiled ahead of time "
@@ -230,10 +216,6 @@ def compile_or_load(
         finally:
             os.unlink(path)
 
-    if mode == "worker" and distributed.group_names(gm):
-        # Collectives (tensor parallel): AOTInductor resolves their process group by
-        # name while it lowers them, and the worker process has none; built here.
-        mode = "inline"
     if mode == "worker":
         package = _via_worker(cache, artifact_key, gm, example, config, key, name)
         if package is SENT or package is None:
