@@ -22,6 +22,12 @@ class ThreadScopedHook:
     def active(self) -> bool:
         return getattr(self._state, "on", False)
 
+    def _ensure_installed(self) -> None:
+        """Install the hook once; call with :attr:`_lock` held."""
+        if not self._installed:
+            self._install()
+            self._installed = True
+
     @contextlib.contextmanager
     def scope(self, on: bool = True) -> Iterator[None]:
         """Make the hook active on this thread inside the block when ``on``."""
@@ -29,15 +35,20 @@ class ThreadScopedHook:
             yield
             return
         with self._lock:
-            if not self._installed:
-                self._install()
-                self._installed = True
-        before = self.active
-        self._state.on = True
+            self._ensure_installed()
+        before = self._enter()
         try:
             yield
         finally:
-            self._state.on = before
+            self._leave(before)
+
+    def _enter(self) -> bool:
+        before = self.active
+        self._state.on = True
+        return before
+
+    def _leave(self, before: bool) -> None:
+        self._state.on = before
 
 
 class ProcessScopedHook(ThreadScopedHook):
@@ -53,18 +64,11 @@ class ProcessScopedHook(ThreadScopedHook):
     def active(self) -> bool:
         return self._inside > 0
 
-    @contextlib.contextmanager
-    def scope(self, on: bool = True) -> Iterator[None]:
-        if not on:
-            yield
-            return
+    def _enter(self) -> bool:
         with self._lock:
-            if not self._installed:
-                self._install()
-                self._installed = True
             self._inside += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._inside -= 1
+        return True
+
+    def _leave(self, before: bool) -> None:
+        with self._lock:
+            self._inside -= 1
