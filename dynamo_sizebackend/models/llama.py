@@ -147,8 +147,16 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         angles = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         angles = torch.cat((angles, angles), dim=-1)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        # In blocks the calling thread computes alone (ATen's VML ops split work in
+        # chunks of 2048 elements across threads): computed in parallel, a process now
+        # and then got the second thread's half at low precision (seen in 3 of 30 fresh
+        # processes on a 2-CPU machine, errors up to 1.5e-4; torch issue 188792, MKL
+        # VML's first-call dispatch race). The tables become frozen constants of the
+        # sized pieces, whose bytes the cache key hashes: such a process also missed
+        # the cache on a warm start and compiled again.
+        blocks = angles.split(max(1, 2048 // angles.shape[1]))
+        self.register_buffer("cos", torch.cat([b.cos() for b in blocks]), persistent=False)
+        self.register_buffer("sin", torch.cat([b.sin() for b in blocks]), persistent=False)
 
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         return self.cos[positions], self.sin[positions]

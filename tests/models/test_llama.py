@@ -78,6 +78,23 @@ def test_same_seed_same_model():
     assert not torch.allclose(run(other, steps)[0], logits)
 
 
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_rotary_tables_are_accurate_in_every_process(preset):
+    # Frozen into the sized pieces and hashed by the cache key: computed by parallel
+    # ATen ops, some processes got half the table at low precision (errors up to 1.5e-4,
+    # MKL VML's first-call dispatch race) and then missed the cache. Computed in blocks
+    # on the calling thread they match float64 to float32 rounding.
+    model = build_model(config(preset))
+    cfg, rotary = model.config, model.rotary
+    half = torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta ** half
+    angles = torch.arange(cfg.max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    angles = torch.cat((angles, angles), dim=-1).double()
+    assert rotary.cos.shape == angles.shape and rotary.cos.numel() > 2048  # several blocks
+    torch.testing.assert_close(rotary.cos.double(), angles.cos(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(rotary.sin.double(), angles.sin(), rtol=0, atol=1e-6)
+
+
 def test_forward_needs_a_cache():
     model = build_model("tiny")
     with pytest.raises(RuntimeError, match="allocate_kv_cache"):
