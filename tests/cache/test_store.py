@@ -493,8 +493,12 @@ class _Scaled(torch.nn.Module):
 
 
 @pytest.mark.inductor
+@pytest.mark.parametrize("defaults", ["suite", "real"])
 @torch.no_grad()
-def test_float_attributes_become_constants_float_arguments_stay_symbolic(caplog, monkeypatch):
+def test_float_attributes_become_constants_float_arguments_stay_symbolic(caplog, monkeypatch,
+                                                                         defaults):
+    if defaults == "real":  # the CPU default: sized pieces frozen and autotuned
+        monkeypatch.delenv("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS")
     from torch._dynamo.exc import TensorifyScalarRestartAnalysis
 
     restarts = []

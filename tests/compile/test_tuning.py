@@ -214,6 +214,30 @@ def test_the_default_tuning_benchmarks_no_gemm_that_measurement_decided(monkeypa
         select_algorithm.clear_feedback_savers()
 
 
+@pytest.mark.inductor
+@torch.no_grad()
+def test_the_default_tuning_builds_8_row_candidates_with_the_precompiled_header(monkeypatch):
+    """The real CPU default at 8 rows, where pruning keeps both kinds: the template
+    candidates it benchmarks are built with the precompiled header."""
+    from torch._inductor import select_algorithm
+
+    monkeypatch.delenv("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS")
+    benchmarked = []
+    select_algorithm.add_feedback_saver(lambda timings, name, *rest: benchmarked.append(name))
+    try:
+        model = MLP().eval()
+        both, given = autotune.DECISIONS["both"], pch.COUNTS["given"]
+        compiled = compile_sb(model, compile_sizes=[8], cache_dir=None)
+        for n in (3, 8):
+            x = torch.randn(n, 16)
+            torch.testing.assert_close(compiled(x), model(x), **TOL)
+        assert autotune.DECISIONS["both"] > both and benchmarked
+        assert pch.COUNTS["given"] > given
+        assert sb.stats().compiles == {"dynamic": 1, "8": 1}
+    finally:
+        select_algorithm.clear_feedback_savers()
+
+
 def test_benchmark_candidates_get_the_precompiled_header_only_inside_our_compiles():
     import threading
 

@@ -10,6 +10,8 @@ frozen sized pieces are stored as AOTInductor packages, and a restart loads them
 """
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -31,7 +33,19 @@ def real_defaults(monkeypatch):
 
 @pytest.mark.inductor
 @torch.no_grad()
-def test_generate_with_inductor_and_the_default_options(real_defaults, tmp_path):
+def test_generate_with_inductor_and_the_default_options(real_defaults, tmp_path, monkeypatch,
+                                                        caplog):
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+
+    restarts = []
+    real_init = TensorifyScalarRestartAnalysis.__init__
+
+    def counted(self, *args, **kwargs):
+        restarts.append(1)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(TensorifyScalarRestartAnalysis, "__init__", counted)
+    caplog.set_level(logging.INFO, logger="dynamo_sizebackend")
     model = tiny_llama()
     # Else the defaults; batch 4 runs the general pieces (one tuned size keeps CI short).
     options = {"compile_sizes": [1, 2], "cache_dir": str(tmp_path)}
@@ -48,6 +62,8 @@ def test_generate_with_inductor_and_the_default_options(real_defaults, tmp_path)
     assert packages and s.cache_misses >= len(packages)
     assert "frozen_weights" not in s.fallbacks  # and nothing they froze ever changed
     assert sum(s.calls.values()) == model.forward.calls
+    # No frame was traced twice to turn a float into a constant.
+    assert restarts == [] and "trace again" not in caplog.text
 
     # A restart (what a new process starts without): every stored sized piece loads;
     # only the frozen pieces on the JIT path compile again: those that write the static
