@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from . import autotune, pch, templates
+from . import autotune, isa_probe, pch, templates
 from .dynamo import COMPILE_LOCK
 
 
@@ -42,7 +42,7 @@ def standalone_compile(
     inductor_options, prune = autotune.split(inductor_options)
     options = {"config_patches": dict(inductor_options)} if inductor_options else {}
     with COMPILE_LOCK, _quiet_when_frozen(inductor_options), autotune.pruning(prune), \
-            templates.memoized(), pch.precompiled():
+            templates.memoized(), pch.precompiled(), isa_probe.remembered():
         if from_graph:
             return torch._inductor.standalone_compile(
                 gm, example_inputs, dynamic_shapes="from_graph", options=options
@@ -130,7 +130,8 @@ def compile_environment_key(gm: torch.fx.GraphModule, example_inputs: list[Any])
 
     details = AOTAutogradCacheDetails.__new__(AOTAutogradCacheDetails)
     details._record_runtime_state(gm)
-    FxGraphHashDetails.__init__(details, gm, example_inputs, {}, [])
+    with isa_probe.remembered():  # the details hold the vector ISA: Inductor probes it
+        FxGraphHashDetails.__init__(details, gm, example_inputs, {}, [])
     state = {k: v for k, v in vars(details).items() if k not in _KEYED_BY_CALLER}
     state["float32_matmul_precision"] = torch.get_float32_matmul_precision()
     state["mkldnn_matmul_fp32_precision"] = torch.backends.mkldnn.matmul.fp32_precision
@@ -146,7 +147,8 @@ def save_artifact(artifact: Any, path: str) -> None:
 def load_artifact(path: str) -> Callable[..., Any]:
     """Read back what :func:`save_artifact` wrote. Torch checks its own build key and
     raises (``AssertionError``, ``RuntimeError``...) on any mismatch or damage."""
-    with COMPILE_LOCK:  # loading fills the same class-level caches a compile records into
+    # loading fills the same class-level caches a compile records into
+    with COMPILE_LOCK, isa_probe.remembered():
         return torch._inductor.CompiledArtifact.load(path=path, format="binary")
 
 
@@ -174,7 +176,8 @@ def aot_compile_package(
     # Dynamo's, and AOTInductor's freezing would read that one's (empty) parameters.
     inductor_options, prune = autotune.split(inductor_options)
     with COMPILE_LOCK, torch._guards.tracing(None), warnings.catch_warnings(), \
-            autotune.pruning(prune), templates.memoized(), pch.precompiled():
+            autotune.pruning(prune), templates.memoized(), pch.precompiled(), \
+            isa_probe.remembered():
         # Export's functionalization reads ``out.storage()`` (TypedStorage is deprecated).
         warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
         exported = torch.export.export(module, tuple(args), strict=False)
@@ -189,7 +192,7 @@ def aot_load_package(path: str) -> Any:
     """Load a package :func:`aot_compile_package` wrote; the file may be deleted after
     (its ``.so`` is extracted to a folder of its own). Raises on a damaged package or
     one built by another torch."""
-    with COMPILE_LOCK:
+    with COMPILE_LOCK, isa_probe.remembered():
         return torch._inductor.aoti_load_package(path)
 
 
