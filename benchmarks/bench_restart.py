@@ -16,6 +16,9 @@ the token count), the SDPA model with ``mark_dynamic`` on the batch dim only.
 - **serve at once**: ``compile_mode="background"`` on empty caches: when the first
   request is answered (the general pieces), and when the sized pieces are all in
   (time to full speed).
+- **warm, ISA probed**: a warm restart with ``SIZEBACKEND_REMEMBER_ISA_PROBE=0``, so
+  that it pays Inductor's vector-ISA probe as ``torch.compile``'s restart does (what
+  remembering it saves; ``_torch/isa_probe.py``).
 - **packages stored**: every cold process then waits for the package worker
   (``sb.wait_for_packages()``) to have stored its frozen sized pieces, so that the
   restarts measured next find them; when that happened is reported beside.
@@ -42,6 +45,8 @@ import _child
 
 def child(spec: dict) -> dict:
     """One process's work; times are ``time.time()`` stamps, the parent subtracts."""
+    if not spec.get("remember_isa_probe", True):
+        os.environ["SIZEBACKEND_REMEMBER_ISA_PROBE"] = "0"
     import torch
 
     import dynamo_sizebackend as sb
@@ -149,19 +154,24 @@ def main(argv: list[str] | None = None) -> int:
             "cold": measure(spec("sizebackend cold", "sb"), *ours),
             "dynamic_cold": measure(spec("torch.compile cold", "dynamic"), *theirs),
         }
-        warm, dynamic_warm = [], []
+        warm, dynamic_warm, probing = [], [], []
         for i in range(args.warm_repeats):  # alternated; the best of each is reported
             warm.append(measure(spec(f"sizebackend warm restart {i + 1}", "sb"), *ours))
             dynamic_warm.append(measure(spec(f"torch.compile warm restart {i + 1}", "dynamic"),
                                         *theirs))
+            probing.append(measure(spec(f"sizebackend warm, ISA probed {i + 1}", "sb",
+                                        remember_isa_probe=False), *ours))
         r["warm"] = min(warm, key=lambda x: x["last"])
         r["dynamic_warm"] = min(dynamic_warm, key=lambda x: x["last"])
+        r["warm_isa_probed"] = min(probing, key=lambda x: x["last"])
         r["background"] = measure(spec("sizebackend cold, background", "sb", mode="background"),
                                   *dirs())
         results[model] = r
         rows += [
             (f"{model}: warm restart, sizebackend / dynamic=True",
              r["warm"]["last"] / r["dynamic_warm"]["last"], "<= 1.0"),
+            (f"{model}: warm, Inductor's ISA probe run (not remembered)",
+             r["warm_isa_probed"]["last"] / r["dynamic_warm"]["last"], "(info)"),
             (f"{model}: cold total, sizebackend / dynamic=True",
              r["cold"]["last"] / r["dynamic_cold"]["last"], "<= 3.0"),
             (f"{model}: background first answer / dynamic=True init",

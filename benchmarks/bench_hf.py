@@ -1,0 +1,212 @@
+"""Hugging Face ``generate()`` (README recipe 1: ``model.forward`` compiled, static KV
+cache) at several batch sizes: eager, stock ``torch.compile(model.forward)``, the best
+native peer (``dynamic=True`` with the tuning the backend gives its sized pieces:
+frozen weights + max-autotune with the C++ GEMM template) and sizebackend with its
+defaults, in one interleaved run, tokens compared (issue 19).
+
+The model is a random-weight ``LlamaForCausalLM`` built from a config (nothing is
+downloaded). Every variant gets its own copy of it (a frozen variant must not see
+another's weights) and its own compile options (two ``torch.compile`` wrappers with
+equal options share Dynamo's cache entries on one model class). Each variant first
+runs one ``generate()`` per batch (its *init*: every compile happens there), then
+``--repeat`` rounds, in each of which the variants take turns, one ``generate()`` per
+batch each (this machine's speed drifts; taking turns makes every variant see it).
+
+Output tok/s = new tokens of all timed rounds / their seconds. A variant that cannot
+run says why under "failed" (as ``sizebackend bench`` does), rather than being left out.
+
+    python benchmarks/bench_hf.py [--layers 4] [--hidden 512] [--batches 1,2,4]
+        [--new-tokens 24] [--variants eager,stock,dynamic-tuned,sizebackend]
+        [--repeat 3] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench-hf-"))
+
+import torch  # noqa: E402
+
+import dynamo_sizebackend as sb  # noqa: E402
+
+VARIANTS = ("eager", "stock", "dynamic-tuned", "sizebackend")
+#: The tuning of the backend's sized pieces on CPU, for the native peer (freezing is set
+#: around its init: Inductor reads it while Dynamo's compile runs, not from options=).
+_TUNED = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+          "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False,
+          "pattern_matcher": True}  # default-valued: an entry of its own (see docstring)
+
+
+def build(layers: int, hidden: int, seed: int = 0):
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=8192, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+        num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 128), max_position_embeddings=512,
+        attn_implementation="sdpa", pad_token_id=0, bos_token_id=1,
+        eos_token_id=None,  # every generate() makes all its new tokens
+    )
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def prompt(batch: int, length: int) -> dict:
+    ids = torch.randint(3, 8192, (batch, length), generator=torch.Generator().manual_seed(batch))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+class Variant:
+    """One way of running ``model.generate()``; :meth:`generate` returns the tokens."""
+
+    def __init__(self, name: str, model, sizes: list[int], compiler: str, new_tokens: int):
+        self.name, self.model, self.new_tokens = name, model, new_tokens
+        self.tuned = name == "dynamic-tuned" and compiler == "inductor"
+        self.autotuned: dict[str, int] = {}
+        if name == "eager":
+            return
+        if name == "sizebackend":
+            options = {"compile_sizes": sizes}
+            if compiler == "eager":
+                options["compiler"] = "eager"
+            compiled = torch.compile(model.forward, backend="sizebackend", options=options)
+        elif compiler == "eager":  # logic checks: Dynamo without codegen
+            compiled = torch.compile(model.forward, backend="eager",
+                                     dynamic=True if name == "dynamic-tuned" else None)
+        elif name == "stock":
+            compiled = torch.compile(model.forward)
+        else:
+            compiled = torch.compile(model.forward, dynamic=True, options=_TUNED)
+        model.forward = compiled  # generate() reads its signature (kept by torch.compile)
+
+    def generate(self, inputs: dict, warming: bool = False) -> torch.Tensor:
+        def run():
+            return self.model.generate(**inputs, max_new_tokens=self.new_tokens,
+                                       do_sample=False, cache_implementation="static")
+
+        if not (self.tuned and warming):
+            return run()
+        from torch._inductor import config, select_algorithm
+
+        def saw(timings, name, *_):
+            self.autotuned[name] = self.autotuned.get(name, 0) + 1
+
+        select_algorithm.add_feedback_saver(saw)
+        try:
+            with config.patch(freezing=True):
+                return run()
+        finally:
+            select_algorithm.clear_feedback_savers()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--batches", default="1,2,4",
+                        help="batch sizes; also sizebackend's compile_sizes")
+    parser.add_argument("--prompt", type=int, default=16, help="prompt tokens per row")
+    parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"a subset of {','.join(VARIANTS)}")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--compiler", choices=("inductor", "eager"), default="inductor",
+                        help="eager: Dynamo without codegen (a logic check, not a benchmark)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    names = args.variants.split(",")
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {','.join(VARIANTS)}")
+    if "eager" not in names:
+        names.insert(0, "eager")  # the reference tokens
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    inputs = {b: prompt(b, args.prompt) for b in batches}
+    base = build(args.layers, args.hidden)
+    print(f"HF LlamaForCausalLM, {args.layers} layers, hidden {args.hidden}, batches {batches}, "
+          f"prompt {args.prompt}, {args.new_tokens} new tokens, {torch.get_num_threads()} threads, "
+          f"compiler {args.compiler}", flush=True)
+
+    # Five compiled variants on one forward code object would pass Dynamo's recompile
+    # limit (8 entries) and run eager silently: raise it for the run.
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = max(limit, 8 * len(names))
+    variants: dict[str, Variant] = {}
+    init: dict[str, float] = {}
+    failed: dict[str, str] = {}
+    reference: dict[int, torch.Tensor] = {}
+    tokens_equal: dict[str, bool] = {}
+    with torch.no_grad():
+        for name in names:
+            try:
+                v = Variant(name, copy.deepcopy(base), batches, args.compiler, args.new_tokens)
+                start = time.perf_counter()
+                outs = {b: v.generate(inputs[b], warming=True) for b in batches}
+                init[name] = time.perf_counter() - start
+            except Exception as e:  # a peer that cannot run says why
+                failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                print(f"[{name}] not run: {failed[name]}", flush=True)
+                traceback.print_exc(limit=3)
+                continue
+            if name == "eager":
+                reference = outs
+            tokens_equal[name] = all(torch.equal(outs[b], reference[b]) for b in batches)
+            variants[name] = v
+            print(f"[{name}] init {init[name]:.1f} s, tokens equal eager: {tokens_equal[name]}",
+                  flush=True)
+        seconds = {name: 0.0 for name in variants}
+        order = list(variants)
+        for r in range(args.repeat):
+            shift = r % len(order)
+            for name in order[shift:] + order[:shift]:
+                for b in batches:
+                    start = time.perf_counter()
+                    out = variants[name].generate(inputs[b])
+                    seconds[name] += time.perf_counter() - start
+                    tokens_equal[name] &= torch.equal(out, reference[b])
+    torch._dynamo.config.recompile_limit = limit
+
+    produced = args.repeat * args.new_tokens * sum(batches)
+    tok_s = {name: produced / s for name, s in seconds.items()}
+    print(f"\n{'variant':<14} {'tok/s':>8} {'init s':>8} {'vs eager':>9} {'vs stock':>9} "
+          f"{'tokens':>7}")
+    for name in variants:
+        vs_stock = f"{tok_s[name] / tok_s['stock']:9.2f}" if "stock" in tok_s else f"{'-':>9}"
+        print(f"{name:<14} {tok_s[name]:8.1f} {init[name]:8.1f} {tok_s[name] / tok_s['eager']:9.2f} "
+              f"{vs_stock} {'equal' if tokens_equal[name] else 'DIFFER':>7}")
+    for name, why in failed.items():
+        print(f"{name:<14} not run: {why}")
+    evidence = {}
+    if "dynamic-tuned" in variants and variants["dynamic-tuned"].tuned:
+        ops = variants["dynamic-tuned"].autotuned
+        frozen = any(ops.get(op, 0) for op in ("packed_linear", "linear_unary", "linear_binary"))
+        evidence["dynamic-tuned"] = {"autotuned_ops": ops, "frozen": frozen}
+        print(f"dynamic-tuned autotuned at init: {ops or 'nothing'}; weights frozen (prepacked "
+              f"linears): {'yes' if frozen else 'no'}")
+    if "sizebackend" in variants:
+        s = sb.stats()
+        evidence["sizebackend"] = {"compiles": s.compiles, "calls": s.calls,
+                                   "fallbacks": s.fallbacks, "graphs": s.graphs}
+        print(f"sizebackend: {s.graphs} graphs, compiles {dict(s.compiles)}, "
+              f"calls {dict(s.calls)}, fallbacks {dict(s.fallbacks)}")
+    sb.wait_for_packages()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"tok_s": tok_s, "init_s": init, "tokens_equal": tokens_equal,
+                       "failed": failed, "evidence": evidence,
+                       "config": {k: v for k, v in vars(args).items() if k != "json"}}, f, indent=1)
+    return 0 if all(tokens_equal.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
