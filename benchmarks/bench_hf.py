@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import sys
@@ -70,7 +71,10 @@ class Variant:
         self.name, self.model, self.new_tokens = name, model, new_tokens
         self.tuned = name == "dynamic-tuned" and compiler == "inductor"
         self.autotuned: dict[str, int] = {}
+        self.forward_seconds = 0.0  # inside model.forward, while timing
+        self.timing = False
         if name == "eager":
+            self._time_forward(model.forward)
             return
         if name == "sizebackend":
             options = {"compile_sizes": sizes}
@@ -84,7 +88,23 @@ class Variant:
             compiled = torch.compile(model.forward)
         else:
             compiled = torch.compile(model.forward, dynamic=True, options=_TUNED)
-        model.forward = compiled  # generate() reads its signature (kept by torch.compile)
+        self._time_forward(compiled)
+
+    def _time_forward(self, forward) -> None:
+        """``model.forward`` = ``forward``, timed while :attr:`timing`: how much of a
+        ``generate()`` the model's forward is (the rest is HF's own Python per step)."""
+
+        @functools.wraps(forward)  # generate() reads forward's signature
+        def timed(*args, **kwargs):
+            if not self.timing:
+                return forward(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self.forward_seconds += time.perf_counter() - start
+
+        self.model.forward = timed
 
     def generate(self, inputs: dict, warming: bool = False) -> torch.Tensor:
         def run():
@@ -170,20 +190,26 @@ def main(argv: list[str] | None = None) -> int:
             shift = r % len(order)
             for name in order[shift:] + order[:shift]:
                 for b in batches:
+                    variants[name].timing = True
                     start = time.perf_counter()
                     out = variants[name].generate(inputs[b])
                     seconds[name] += time.perf_counter() - start
+                    variants[name].timing = False
                     tokens_equal[name] &= torch.equal(out, reference[b])
     torch._dynamo.config.recompile_limit = limit
 
     produced = args.repeat * args.new_tokens * sum(batches)
     tok_s = {name: produced / s for name, s in seconds.items()}
+    forward_share = {name: v.forward_seconds / seconds[name] for name, v in variants.items()}
     print(f"\n{'variant':<14} {'tok/s':>8} {'init s':>8} {'vs eager':>9} {'vs stock':>9} "
-          f"{'tokens':>7}")
+          f"{'tokens':>7} {'in forward':>11}")
     for name in variants:
         vs_stock = f"{tok_s[name] / tok_s['stock']:9.2f}" if "stock" in tok_s else f"{'-':>9}"
         print(f"{name:<14} {tok_s[name]:8.1f} {init[name]:8.1f} {tok_s[name] / tok_s['eager']:9.2f} "
-              f"{vs_stock} {'equal' if tokens_equal[name] else 'DIFFER':>7}")
+              f"{vs_stock} {'equal' if tokens_equal[name] else 'DIFFER':>7} "
+              f"{forward_share[name]:10.0%}")
+    print("(in forward: the share of the timed generate() seconds spent inside model.forward;"
+          " the rest is generate()'s own work per step)")
     for name, why in failed.items():
         print(f"{name:<14} not run: {why}")
     evidence = {}
@@ -202,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     sb.wait_for_packages()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"tok_s": tok_s, "init_s": init, "tokens_equal": tokens_equal,
+            json.dump({"tok_s": tok_s, "init_s": init, "forward_share": forward_share, "tokens_equal": tokens_equal,
                        "failed": failed, "evidence": evidence,
                        "config": {k: v for k, v in vars(args).items() if k != "json"}}, f, indent=1)
     return 0 if all(tokens_equal.values()) else 1
