@@ -12,7 +12,9 @@ runs one ``generate()`` per batch (its *init*: every compile happens there), the
 ``--repeat`` rounds, in each of which the variants take turns, one ``generate()`` per
 batch each (this machine's speed drifts; taking turns makes every variant see it).
 
-Output tok/s = new tokens of all timed rounds / their seconds. A variant that cannot
+Caches are cold for every variant (fresh ``TORCHINDUCTOR_CACHE_DIR`` and
+``SIZEBACKEND_CACHE_DIR`` unless set). Output tok/s = new tokens of all timed rounds /
+their seconds; "in forward" = the share of those seconds inside ``model.forward``. A variant that cannot
 run says why under "failed" (as ``sizebackend bench`` does), rather than being left out.
 
     python benchmarks/bench_hf.py [--layers 4] [--hidden 512] [--batches 1,2,4]
@@ -31,7 +33,9 @@ import tempfile
 import time
 import traceback
 
+# Cold for every variant unless the caller points these at kept folders.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench-hf-"))
+os.environ.setdefault("SIZEBACKEND_CACHE_DIR", tempfile.mkdtemp(prefix="bench-hf-sb-"))
 
 import torch  # noqa: E402
 
