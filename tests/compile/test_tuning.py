@@ -152,25 +152,31 @@ def test_grad_mode_on_compiles_sized_pieces_unfrozen():
 
 
 class _Template:
-    """A GEMM candidate as ``autotune.prune`` sees it: its output layout and its kind."""
+    """A GEMM candidate as ``autotune.prune`` sees it: its output layout, its activation
+    input ``[rows, K]`` and its kind."""
 
-    def __init__(self, rows, device="cpu"):
-        self.layout = SimpleNamespace(size=[rows, 64], device=torch.device(device))
+    def __init__(self, rows, k=64, n=64, device="cpu"):
+        self.layout = SimpleNamespace(size=[rows, n], device=torch.device(device))
+        self.input_nodes = [SimpleNamespace(get_size=lambda: [rows, k])] if k else []
 
 
 class _Aten(_Template, ExternKernelCaller):  # ATen's candidates are ExternKernelCallers
     pass
 
 
-@pytest.mark.parametrize("rows, kept", [(1, "template"), (4, "template"), (8, "both"),
-                                        (16, "aten"), (256, "aten")])
-def test_autotune_pruning_keeps_the_kind_that_wins_at_that_many_rows(rows, kept):
-    choices = [_Template(rows), _Aten(rows)]
+@pytest.mark.parametrize("rows, k, n, kept", [
+    (1, 64, 64, "template"), (2, 1408, 512, "template"), (4, 256, 256, "template"),
+    (1, 512, 8192, "both"),  # an lm_head: ATen won it at 1 row
+    (4, 512, 512, "both"), (4, 512, 1408, "both"),  # ATen won the second at 4 rows
+    (8, 64, 64, "both"), (2, None, 64, "both"),  # K unreadable: benchmarked
+    (16, 64, 64, "aten"), (256, 4096, 4096, "aten")])
+def test_autotune_pruning_keeps_the_kind_that_wins_at_that_shape(rows, k, n, kept):
+    choices = [_Template(rows, k, n), _Aten(rows, k, n)]
     with autotune.pruning(False):
         assert autotune.prune(choices) == choices  # off: Inductor's full search
     with autotune.pruning(True):
         out = autotune.prune(choices)
-        gpu = [_Template(rows, "cuda"), _Aten(rows, "cuda")]
+        gpu = [_Template(rows, k, n, "cuda"), _Aten(rows, k, n, "cuda")]
         assert autotune.prune(gpu) == gpu  # GPU choices are never touched
     assert [type(c) for c in out] == {"template": [_Template], "aten": [_Aten],
                                       "both": [_Template, _Aten]}[kept]
