@@ -17,11 +17,15 @@ distinct GEMM shape and size. Measured on this machine (every candidate's time,
   template won weights of up to 512 x 512 by 1.26-1.35x (and 256 x 128, 256 x 256 of
   Llama ``small`` by 1.5-2.5x) while ATen won 512 x 1408, 1408 x 512 and 512 x 8192 by
   1.18-1.24x (and 256 x 512, 256 x 1024 by 1.07-1.22x). The 4-row rule of the first
-  measurement (template only) lost on those.
+  measurement (template only) lost on those. At 8 rows the template won every weight of
+  at most 256 x 128 (32 K elements; the built-in Llama ``tiny``'s, 64 x 32 to 64 x 256)
+  by 1.5-4.8x: ATen's packed linear costs about 14 us per call at these sizes whatever
+  the weight, the template's cost follows the work; 256 x 256 went either way (template
+  1.95x in one run, ATen 1.12x in another).
 
 So with ``prune_autotune`` (the default) a GEMM keeps only the template candidates where
 every measurement had it win by a wide margin (:data:`TEMPLATE_ONLY`: at most 2 rows and
-a weight of at most 2**20 elements, or at most 4 rows and 2**16), only ATen's at
+a weight of at most 2**20 elements, 4 rows and 2**16, or 8 rows and 2**15), only ATen's at
 :data:`ATEN_ONLY_MIN_ROWS` rows or more, and is benchmarked as before everywhere else;
 a single candidate left is taken without benchmarking (Inductor's own rule). Only CPU
 choices with both kinds present are touched; GPU choices never.
@@ -42,7 +46,7 @@ from .hooks import ThreadScopedHook
 
 #: ``(rows, weight elements)``: a GEMM of at most that many rows and a K x N weight of at
 #: most that many elements keeps only the template candidates.
-TEMPLATE_ONLY = ((2, 1 << 20), (4, 1 << 16))
+TEMPLATE_ONLY = ((2, 1 << 20), (4, 1 << 16), (8, 1 << 15))
 ATEN_ONLY_MIN_ROWS = 16
 #: The config key that asks for pruning (stripped before Inductor sees the config; a
 #: piece key includes it, so pruned and unpruned compiles never share an artifact).

@@ -168,8 +168,9 @@ class _Aten(_Template, ExternKernelCaller):  # ATen's candidates are ExternKerne
     (1, 64, 64, "template"), (2, 1408, 512, "template"), (4, 256, 256, "template"),
     (1, 512, 8192, "both"),  # an lm_head: ATen won it at 1 row
     (4, 512, 512, "both"), (4, 512, 1408, "both"),  # ATen won the second at 4 rows
-    (8, 64, 64, "both"), (2, None, 64, "both"),  # K unreadable: benchmarked
-    (16, 64, 64, "aten"), (256, 4096, 4096, "aten")])
+    (8, 64, 64, "template"), (8, 256, 256, "both"), (16, 64, 64, "aten"),
+    (2, None, 64, "both"),  # K unreadable: benchmarked
+    (256, 4096, 4096, "aten")])
 def test_autotune_pruning_keeps_the_kind_that_wins_at_that_shape(rows, k, n, kept):
     choices = [_Template(rows, k, n), _Aten(rows, k, n)]
     with autotune.pruning(False):
@@ -223,19 +224,19 @@ def test_the_default_tuning_benchmarks_no_gemm_that_measurement_decided(monkeypa
 @pytest.mark.inductor
 @torch.no_grad()
 def test_the_default_tuning_builds_8_row_candidates_with_the_precompiled_header(monkeypatch):
-    """The real CPU default at 8 rows, where pruning keeps both kinds: the template
-    candidates it benchmarks are built with the precompiled header."""
+    """The real CPU default at 8 rows and 256 x 256 weights, where pruning keeps both
+    kinds: the template candidates it benchmarks are built with the precompiled header."""
     from torch._inductor import select_algorithm
 
     monkeypatch.delenv("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS")
     benchmarked = []
     select_algorithm.add_feedback_saver(lambda timings, name, *rest: benchmarked.append(name))
     try:
-        model = MLP().eval()
+        model = MLP(256).eval()  # 2**16 weights: above the 8-row template-only bound
         both, given = autotune.DECISIONS["both"], pch.COUNTS["given"]
         compiled = compile_sb(model, compile_sizes=[8], cache_dir=None)
         for n in (3, 8):
-            x = torch.randn(n, 16)
+            x = torch.randn(n, 256)
             torch.testing.assert_close(compiled(x), model(x), **TOL)
         assert autotune.DECISIONS["both"] > both and benchmarked
         assert pch.COUNTS["given"] > given
