@@ -100,7 +100,11 @@ def _install() -> None:
     def remembering_probe(self, output_path: str) -> bool:
         if not _HOOK.active:
             return probe(self, output_path)
-        key = probe_key(self, output_path, self._build_probe_env(), base._avx_py_load)
+        try:  # torch 2.13's names; another torch without them probes as torch does
+            key = probe_key(self, output_path, self._build_probe_env(), base._avx_py_load)
+        except Exception as e:  # noqa: BLE001 - never fail the probe for our bookkeeping
+            log.debug("sizebackend: vector ISA probe not remembered (%s)", e)
+            key = None
         if key is None:
             return probe(self, output_path)
         mark = os.path.join(_folder(), key)
