@@ -199,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[sizebackend] packages stored {waited:.1f} s after the inits "
                   f"({stored.stored} built, {stored.failed} failed)", flush=True)
         seconds = {name: 0.0 for name in variants}
+        by_batch = {name: {b: 0.0 for b in batches} for name in variants}
         order = list(variants)
         for r in range(args.repeat):
             shift = r % len(order)
@@ -207,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
                     variants[name].timing = True
                     start = time.perf_counter()
                     out = variants[name].generate(inputs[b])
-                    seconds[name] += time.perf_counter() - start
+                    took = time.perf_counter() - start
+                    seconds[name] += took
+                    by_batch[name][b] += took
                     variants[name].timing = False
                     tokens_equal[name] &= torch.equal(out, reference[b])
     torch._dynamo.config.recompile_limit = limit
@@ -224,6 +227,17 @@ def main(argv: list[str] | None = None) -> int:
               f"{forward_share[name]:10.0%}")
     print("(in forward: the share of the timed generate() seconds spent inside model.forward;"
           " the rest is generate()'s own work per step)")
+    per_batch = {name: {b: args.repeat * args.new_tokens * b / t for b, t in times.items()}
+                 for name, times in by_batch.items()}
+    print("\nper batch, tok/s" + ("" if "stock" not in per_batch else " (vs stock)"))
+    for name in variants:
+        cells = []
+        for b in batches:
+            cell = f"{per_batch[name][b]:7.1f}"
+            if "stock" in per_batch:
+                cell += f" ({per_batch[name][b] / per_batch['stock'][b]:4.2f})"
+            cells.append(f"b={b}: {cell}")
+        print(f"{name:<14} " + "   ".join(cells))
     for name, why in failed.items():
         print(f"{name:<14} not run: {why}")
     evidence = {}
@@ -242,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"tok_s": tok_s, "init_s": init, "forward_share": forward_share,
+                       "tok_s_by_batch": per_batch,
                        "packages_wait_s": waited, "tokens_equal": tokens_equal,
                        "failed": failed, "evidence": evidence,
                        "config": {k: v for k, v in vars(args).items() if k != "json"}}, f, indent=1)

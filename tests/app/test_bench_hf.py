@@ -30,6 +30,7 @@ def test_bench_hf_runs_every_variant_with_equal_tokens(tmp_path):
     assert all(result["tokens_equal"].values())
     assert all(result["tok_s"][v] > 0 for v in variants)
     assert all(0 < result["forward_share"][v] < 1 for v in variants)
+    assert all(result["tok_s_by_batch"][v]["2"] > 0 for v in variants)
     # The backend served generate()'s forward calls: prefill and decode at both batches.
     calls = result["evidence"]["sizebackend"]["calls"]
     assert sum(calls.values()) == 2 * 3 * 2, calls  # (1 init + 1 timed) x 3 steps x 2 batches
