@@ -41,13 +41,13 @@ os.environ.setdefault("SIZEBACKEND_CACHE_DIR", tempfile.mkdtemp(prefix="bench-hf
 import torch  # noqa: E402
 
 import dynamo_sizebackend as sb  # noqa: E402
+from dynamo_sizebackend.app import peers  # noqa: E402
 
 VARIANTS = ("eager", "stock", "dynamic-tuned", "sizebackend")
-#: The tuning of the backend's sized pieces on CPU, for the native peer (freezing is set
-#: around its init: Inductor reads it while Dynamo's compile runs, not from options=).
-_TUNED = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
-          "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False,
-          "pattern_matcher": True}  # default-valued: an entry of its own (see docstring)
+#: The native peer's options: ``sizebackend bench``'s tuned peers' (the tuning of the
+#: backend's sized pieces on CPU), with an entry of its own (see the module docstring).
+#: Freezing is set around its init: Inductor reads it while Dynamo's compile runs.
+_TUNED = {**peers._TUNING, **peers._OWN["dynamic-tuned"]}
 
 
 def build(layers: int, hidden: int, seed: int = 0):
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     evidence = {}
     if "dynamic-tuned" in variants and variants["dynamic-tuned"].tuned:
         ops = variants["dynamic-tuned"].autotuned
-        frozen = any(ops.get(op, 0) for op in ("packed_linear", "linear_unary", "linear_binary"))
+        frozen = any(ops.get(op, 0) for op in peers._PREPACKED)
         evidence["dynamic-tuned"] = {"autotuned_ops": ops, "frozen": frozen}
         print(f"dynamic-tuned autotuned at init: {ops or 'nothing'}; weights frozen (prepacked "
               f"linears): {'yes' if frozen else 'no'}")
