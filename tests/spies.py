@@ -56,6 +56,22 @@ class AdaptorSpy:
         return run
 
 
+def count_float_restarts(monkeypatch) -> list[int]:
+    """A list that grows by one each time Dynamo restarts a frame's analysis to trace a
+    float as a constant (``TensorifyScalarRestartAnalysis``)."""
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+
+    restarts: list[int] = []
+    real_init = TensorifyScalarRestartAnalysis.__init__
+
+    def counted(self, *args, **kwargs):
+        restarts.append(1)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(TensorifyScalarRestartAnalysis, "__init__", counted)
+    return restarts
+
+
 def warnings_from(caplog, text: str) -> list[str]:
     return [
         r.getMessage() for r in caplog.records

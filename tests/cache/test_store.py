@@ -26,6 +26,7 @@ from dynamo_sizebackend.cache.store import DiskCache
 from dynamo_sizebackend.cache.key import piece_key
 
 from ..nets import MLP, TinyTransformer, batch, compile_sb
+from ..spies import count_float_restarts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -499,16 +500,7 @@ def test_float_attributes_become_constants_float_arguments_stay_symbolic(caplog,
                                                                          defaults):
     if defaults == "real":  # the CPU default: sized pieces frozen and autotuned
         monkeypatch.delenv("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS")
-    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
-
-    restarts = []
-    real_init = TensorifyScalarRestartAnalysis.__init__
-
-    def counted(self, *args, **kwargs):
-        restarts.append(1)
-        real_init(self, *args, **kwargs)
-
-    monkeypatch.setattr(TensorifyScalarRestartAnalysis, "__init__", counted)
+    restarts = count_float_restarts(monkeypatch)
     model = _Scaled()
     compiled = compile_sb(model, compile_sizes=[2], cache_dir=None)
     with caplog.at_level(logging.INFO, logger="dynamo_sizebackend"):

@@ -19,6 +19,7 @@ import dynamo_sizebackend as sb
 from dynamo_sizebackend.cache import store
 from dynamo_sizebackend.cache.store import DiskCache
 
+from ..spies import count_float_restarts
 from .test_hf_generate import counting_forward, generate, prompt, tiny_llama
 
 pytest.importorskip("transformers")
@@ -35,16 +36,7 @@ def real_defaults(monkeypatch):
 @torch.no_grad()
 def test_generate_with_inductor_and_the_default_options(real_defaults, tmp_path, monkeypatch,
                                                         caplog):
-    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
-
-    restarts = []
-    real_init = TensorifyScalarRestartAnalysis.__init__
-
-    def counted(self, *args, **kwargs):
-        restarts.append(1)
-        real_init(self, *args, **kwargs)
-
-    monkeypatch.setattr(TensorifyScalarRestartAnalysis, "__init__", counted)
+    restarts = count_float_restarts(monkeypatch)
     caplog.set_level(logging.INFO, logger="dynamo_sizebackend")
     model = tiny_llama()
     # Else the defaults; batch 4 runs the general pieces (one tuned size keeps CI short).
