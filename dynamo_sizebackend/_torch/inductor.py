@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx
@@ -41,8 +41,7 @@ def standalone_compile(
     """
     inductor_options, prune = autotune.split(inductor_options)
     options = {"config_patches": dict(inductor_options)} if inductor_options else {}
-    with COMPILE_LOCK, _quiet_when_frozen(inductor_options), autotune.pruning(prune), \
-            templates.memoized(), pch.precompiled(), isa_probe.remembered():
+    with COMPILE_LOCK, _quiet_when_frozen(inductor_options), _our_hooks(prune):
         if from_graph:
             return torch._inductor.standalone_compile(
                 gm, example_inputs, dynamic_shapes="from_graph", options=options
@@ -54,6 +53,16 @@ def standalone_compile(
             options=options,
             fake_mode=fake_mode,
         )
+
+
+@contextlib.contextmanager
+def _our_hooks(prune: bool) -> Iterator[None]:
+    """Inductor as this backend's compiles run it: GEMM candidates pruned (when
+    ``prune``), Jinja templates parsed once, benchmark candidates built with the
+    precompiled header, the vector-ISA probe remembered."""
+    with autotune.pruning(prune), templates.memoized(), pch.precompiled(), \
+            isa_probe.remembered():
+        yield
 
 
 class _DropUnsaveable(logging.Filter):
@@ -176,8 +185,7 @@ def aot_compile_package(
     # Dynamo's, and AOTInductor's freezing would read that one's (empty) parameters.
     inductor_options, prune = autotune.split(inductor_options)
     with COMPILE_LOCK, torch._guards.tracing(None), warnings.catch_warnings(), \
-            autotune.pruning(prune), templates.memoized(), pch.precompiled(), \
-            isa_probe.remembered():
+            _our_hooks(prune):
         # Export's functionalization reads ``out.storage()`` (TypedStorage is deprecated).
         warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
         exported = torch.export.export(module, tuple(args), strict=False)
