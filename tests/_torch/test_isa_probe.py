@@ -32,9 +32,42 @@ print(json.dumps({"isas": isas, "counts": isa_probe.COUNTS, "children": len(chil
 """
 
 
-def _probe_in_child(inductor_dir, mode="normal", **env):
+#: A user's process: a small model through the backend with its real defaults (the
+#: suite's SIZEBACKEND_SIZED_INDUCTOR_OPTIONS removed: size 2 frozen and autotuned).
+_BACKEND_CHILD = r"""
+import json, subprocess, sys
+import torch
+import dynamo_sizebackend as sb
+from dynamo_sizebackend._torch import isa_probe
+
+children = []
+real_run = subprocess.run
+def counting_run(cmd, *args, **kwargs):
+    if isinstance(cmd, (list, tuple)) and cmd and cmd[0] == sys.executable:
+        children.append(cmd)
+    return real_run(cmd, *args, **kwargs)
+subprocess.run = counting_run
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+compiled = torch.compile(model.eval(), backend="sizebackend", dynamic=True,
+                         options={"compile_sizes": [2], "cache_dir": sys.argv[1]})
+with torch.no_grad():
+    for n in (3, 2):
+        x = torch.randn(n, 16)
+        torch.testing.assert_close(compiled(x), model(x))
+sb.wait_for_packages()
+s = sb.stats()
+print(json.dumps({"counts": isa_probe.COUNTS, "children": len(children),
+                  "compiles": s.compiles, "cache_hits": s.cache_hits}))
+"""
+
+
+def _probe_in_child(inductor_dir, arg="normal", script=_CHILD, **env):
+    """``script``'s last line of JSON, run with ``arg`` (``_CHILD``: its mode;
+    ``_BACKEND_CHILD``: its cache_dir)."""
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(inductor_dir), **env)
-    done = subprocess.run([sys.executable, "-c", _CHILD, mode], env=env, capture_output=True,
+    env.pop("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS", None)  # the real defaults
+    done = subprocess.run([sys.executable, "-c", script, arg], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -75,6 +108,23 @@ def test_second_process_takes_the_answer_and_starts_no_child(inductor_dir):
     assert second["isas"] == first["isas"]
     assert second["children"] == 0
     assert second["counts"] == {"remembered": first["children"], "probed": 0}
+
+
+@pytest.mark.inductor
+def test_through_the_backend_with_its_real_defaults(_built, inductor_dir, tmp_path):
+    """As a user runs it: a cold process compiles (the general pieces and the frozen,
+    autotuned size 2) and probes once; its restart loads and starts no probe child."""
+    if not _built[1]["isas"]:
+        pytest.skip("this CPU has no vector ISA for Inductor to probe")
+    cache = str(tmp_path / "sizebackend")
+    cold = _probe_in_child(inductor_dir, cache, script=_BACKEND_CHILD)
+    assert cold["compiles"] == {"dynamic": 1, "2": 1}
+    assert cold["counts"] == {"remembered": 0, "probed": cold["children"]}
+    assert cold["children"] >= len(_built[1]["isas"])
+    warm = _probe_in_child(inductor_dir, cache, script=_BACKEND_CHILD)
+    assert warm["compiles"] == {} and warm["cache_hits"] == 2
+    assert warm["children"] == 0
+    assert warm["counts"] == {"remembered": cold["children"], "probed": 0}
 
 
 def test_failed_probe_is_not_written_down(inductor_dir):

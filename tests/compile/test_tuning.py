@@ -186,9 +186,10 @@ def test_autotune_pruning_keeps_the_kind_that_wins_at_that_shape(rows, k, n, kep
 @pytest.mark.inductor
 @torch.no_grad()
 def test_the_default_tuning_benchmarks_no_gemm_that_measurement_decided(monkeypatch):
-    """The real CPU default (freeze + max-autotune, ``prune_autotune=True``): at 2 rows
-    only the C++ template and at 32 rows only ATen are built, nothing is benchmarked;
-    with ``prune_autotune=False`` the same size benchmarks both."""
+    """The real CPU default (freeze + max-autotune, ``prune_autotune=True``): at 2 rows,
+    and at 8 rows with these 16 x 16 weights, only the C++ template and at 32 rows only
+    ATen are built, nothing is benchmarked; with ``prune_autotune=False`` 2 rows
+    benchmark both."""
     from torch._inductor import select_algorithm
 
     monkeypatch.delenv("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS")
@@ -197,8 +198,8 @@ def test_the_default_tuning_benchmarks_no_gemm_that_measurement_decided(monkeypa
     try:
         model = MLP().eval()
         before, parses = dict(autotune.DECISIONS), dict(templates.COUNTS)
-        compiled = compile_sb(model, compile_sizes=[2, 32], cache_dir=None)
-        for n in (3, 2, 32):
+        compiled = compile_sb(model, compile_sizes=[2, 8, 32], cache_dir=None)
+        for n in (3, 2, 8, 32):
             x = torch.randn(n, 16)
             torch.testing.assert_close(compiled(x), model(x), **TOL)
         made = {k: v - before.get(k, 0) for k, v in autotune.DECISIONS.items()}
@@ -206,7 +207,7 @@ def test_the_default_tuning_benchmarks_no_gemm_that_measurement_decided(monkeypa
         # The template's Jinja sources repeat within one GEMM's render: parsed once each.
         assert templates.COUNTS["reused"] > parses["reused"], (parses, templates.COUNTS)
         assert made.get("both", 0) == 0 and benchmarked == []
-        assert sb.stats().compiles == {"dynamic": 1, "2": 1, "32": 1}
+        assert sb.stats().compiles == {"dynamic": 1, "2": 1, "8": 1, "32": 1}
 
         torch._dynamo.reset()
         given = pch.COUNTS["given"]
