@@ -12,9 +12,9 @@ import pytest
 
 from dynamo_sizebackend._torch import isa_probe
 
-_CHILD = r"""
+#: Every script's start: counts the Python children it starts (the probes).
+_COUNT_CHILDREN = r"""
 import json, subprocess, sys
-from torch._inductor import cpu_vec_isa
 from dynamo_sizebackend._torch import isa_probe
 
 children = []
@@ -24,6 +24,12 @@ def counting_run(cmd, *args, **kwargs):
         children.append(cmd)
     return real_run(cmd, *args, **kwargs)
 subprocess.run = counting_run
+"""
+
+#: Inductor's probe alone, inside the hook's scope.
+_CHILD = _COUNT_CHILDREN + r"""
+from torch._inductor import cpu_vec_isa
+
 if sys.argv[1] == "failing":  # every child fails to load its library
     cpu_vec_isa.VecISA._probe_load = lambda self, path: False
 with isa_probe.remembered():
@@ -31,22 +37,12 @@ with isa_probe.remembered():
 print(json.dumps({"isas": isas, "counts": isa_probe.COUNTS, "children": len(children)}))
 """
 
-
 #: A user's process: a small model through the backend with its real defaults (the
 #: suite's SIZEBACKEND_SIZED_INDUCTOR_OPTIONS removed: size 2 frozen and autotuned).
-_BACKEND_CHILD = r"""
-import json, subprocess, sys
+_BACKEND_CHILD = _COUNT_CHILDREN + r"""
 import torch
 import dynamo_sizebackend as sb
-from dynamo_sizebackend._torch import isa_probe
 
-children = []
-real_run = subprocess.run
-def counting_run(cmd, *args, **kwargs):
-    if isinstance(cmd, (list, tuple)) and cmd and cmd[0] == sys.executable:
-        children.append(cmd)
-    return real_run(cmd, *args, **kwargs)
-subprocess.run = counting_run
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
 compiled = torch.compile(model.eval(), backend="sizebackend", dynamic=True,
