@@ -18,7 +18,8 @@ The variants run one after the other in this process, on the same model and work
   ``specialize_on`` per listed size, in the default set), ``specialize-tuned`` and
   ``dynamic-tuned`` (the same tuning as the sized pieces: frozen weights +
   max-autotune), with ``--variants all``. A peer torch cannot compile is reported
-  with its error, not left out.
+  with its error, not left out (``specialize-tuned`` runs through a workaround for a
+  torch 2.13 bug, :class:`.peers.KeepSources`).
 
 Per variant, *init* is a warm-up that calls the model once at every distinct ``T`` of
 the schedule, so every Dynamo trace and compile happens there (as vLLM's "init engine"

@@ -16,6 +16,16 @@ every compile; two ``torch.compile`` wrappers with equal options share Dynamo's 
 entries on one model, so each variant's options differ (a harmless entry of its own);
 and the marking has to be on the first call's tensors, the one Dynamo traces.
 
+``specialize-tuned`` does not run as torch 2.13 ships it: Dynamo compiles a
+specialization lazily, at the first call of that size, after it has cleared its own
+``param_name_to_source`` (``OutputGraph.cleanup``), so the graph reaches AOTAutograd
+with ``_param_name_to_source = None`` and ``_try_get_metadata_from_dynamo`` raises
+``TypeError: argument of type 'NoneType' is not iterable`` whenever it has parameters to
+look up, which freezing gives it. The bench runs it through :class:`KeepSources`:
+Inductor itself, with the mapping the general compile of the same graph saw put back
+(a workaround for torch's bug, not a change to what is compiled; ``keep_sources=False``
+shows the failure).
+
 Proof that a tuned variant froze and autotuned: Inductor's autotune feedback during its
 warm-up, by op name (``packed_linear``, ``linear_unary``, ``linear_binary`` exist only for prepacked,
 i.e. frozen, weights).
@@ -23,6 +33,7 @@ i.e. frozen, weights).
 from __future__ import annotations
 
 from collections import Counter
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -43,17 +54,23 @@ class PeerForward:
     """A peer variant's forward: marks the first call's tokens (``specialize*``) and
     holds the tuned variants' freezing while :attr:`warming`."""
 
-    def __init__(self, name: str, model: torch.nn.Module, sizes: list[int], compiler: str = "inductor"):
+    def __init__(self, name: str, model: torch.nn.Module, sizes: list[int], compiler: str = "inductor",
+                 keep_sources: bool = True):
         self.name = name
         self.sizes = list(sizes)
         self.marked = not name.startswith("specialize")
+        self.keep_sources: KeepSources | None = None
         if compiler == "eager":  # logic checks: a backend callable of its own, no codegen
             self.tuned = False
             self.compiled = torch.compile(model, dynamic=True, backend=lambda gm, _: gm.forward)
         else:
             self.tuned = name.endswith("-tuned")
             options = {**(_TUNING if self.tuned else {}), **_OWN[name]}
-            self.compiled = torch.compile(model, dynamic=True, options=options)
+            if keep_sources and name == "specialize-tuned":
+                self.keep_sources = KeepSources(options)
+                self.compiled = torch.compile(model, dynamic=True, backend=self.keep_sources)
+            else:
+                self.compiled = torch.compile(model, dynamic=True, options=options)
         self.warming = True
         self.autotuned: Counter[str] = Counter()
 
@@ -80,8 +97,34 @@ class PeerForward:
         """What the bench prints and writes for this variant."""
         if not self.tuned:
             return {}
-        return {"autotuned_ops": dict(self.autotuned),
-                "frozen": any(self.autotuned.get(op, 0) for op in _PREPACKED)}
+        found = {"autotuned_ops": dict(self.autotuned),
+                 "frozen": any(self.autotuned.get(op, 0) for op in _PREPACKED)}
+        if self.keep_sources is not None:
+            found["sources_restored"] = self.keep_sources.restored
+        return found
+
+
+class KeepSources:
+    """Inductor as ``torch.compile(options=...)`` runs it, for a graph whose
+    ``specialize_on`` compiles come after Dynamo dropped its parameter sources (torch
+    2.13): the general compile's mapping is kept per graph and put back on a later
+    compile of the same graph that arrives without one."""
+
+    def __init__(self, options: dict[str, Any]):
+        self.options = dict(options)
+        self.kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> its sources
+        self.restored = 0  # compiles that needed the mapping put back
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        from torch._inductor.compile_fx import compile_fx
+
+        sources = getattr(gm, "_param_name_to_source", None)
+        if sources is not None:
+            self.kept[gm] = dict(sources)
+        elif gm in self.kept:
+            gm._param_name_to_source = self.kept[gm]
+            self.restored += 1
+        return compile_fx(gm, example_inputs, config_patches=self.options)
 
 
 def _equals(n: int) -> Callable[[int], bool]:

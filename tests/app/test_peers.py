@@ -1,0 +1,47 @@
+"""The bench's peers (app/peers.py) compile as a user would configure them, with real
+Inductor: ``specialize-tuned`` fails inside AOTAutograd on torch 2.13 as shipped, and
+runs frozen and autotuned through :class:`KeepSources`."""
+import pytest
+import torch
+
+from dynamo_sizebackend.app.peers import PeerForward
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(32, 32)
+        self.b = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _model():
+    torch.manual_seed(0)
+    return _MLP().eval()
+
+
+def test_specialize_tuned_runs_frozen_with_sources_kept():
+    model = _model()
+    peer = PeerForward("specialize-tuned", model, [2])
+    with torch.no_grad():
+        # 3: the general graph; 2: its specialization, compiled at this call.
+        for n in (3, 2, 5, 2):
+            x = torch.randn(n, 32)
+            torch.testing.assert_close(peer(x), model(x))
+    found = peer.evidence()
+    assert found["frozen"], found
+    # The general compile carried the sources; the size-2 one needed them put back.
+    assert found["sources_restored"] == 1, found
+
+
+def test_specialize_tuned_without_the_workaround_fails_as_torch_ships():
+    # If this starts passing, torch fixed the lazy specialization compile and
+    # KeepSources can go (the bench would then say so by running it unchanged).
+    model = _model()
+    peer = PeerForward("specialize-tuned", model, [2], keep_sources=False)
+    with torch.no_grad():
+        peer(torch.randn(3, 32))
+        with pytest.raises(Exception, match="NoneType' is not iterable"):
+            peer(torch.randn(2, 32))
