@@ -77,11 +77,12 @@ class InductorAdaptor:
         )
 
 
-def make_adaptor(options: SizeBackendOptions, device_type: str = "cpu") -> CompilerAdaptor:
-    """The adaptor of ``options`` for a graph whose inputs live on ``device_type``."""
+def make_adaptor(options: SizeBackendOptions, device_type: str = "cpu", tuned: bool = True) -> CompilerAdaptor:
+    """The adaptor of ``options`` for a graph whose inputs live on ``device_type``;
+    ``tuned=False``: its sized pieces compile like the general ones (``{}``)."""
     if options.compiler == "eager":
         return EagerAdaptor()
-    return InductorAdaptor(options.inductor_options, options.sized_options_for(device_type),
+    return InductorAdaptor(options.inductor_options, options.sized_options_for(device_type) if tuned else {},
                            prune_autotune=options.prune_autotune and device_type == "cpu")
 
 

@@ -28,7 +28,7 @@ from ..options import SizeBackendOptions
 from ..runtime import cudagraphs, padding
 from ..runtime.runner import Program, Runner, generated_forward
 from ..stats import COUNTERS
-from . import background, floats, freeze, guards
+from . import background, floats, freeze, guards, rows
 from .adaptor import (
     CompiledPiece,
     CompilerAdaptor,
@@ -322,7 +322,8 @@ class GraphCompiler:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Runner:
         batch = find_batch(gm, self.options.batch_dim)
         sg = split(gm, OpMatcher(self.options.splitting_ops))
-        self.adaptor = make_adaptor(self.options, _device_type(example_inputs))
+        device = _device_type(example_inputs)
+        self.adaptor = make_adaptor(self.options, device, tuned=not self._rows_stay_symbolic(gm, batch, device))
         if self.adaptor.config_for(0).get("freezing"):
             self._freezable, inference = freeze.freezable_inputs(gm, example_inputs)
             if inference:
@@ -402,6 +403,18 @@ class GraphCompiler:
         if mode == "background" and sizes:
             background.start(runner, sizes, compile_size_later)
         return runner
+
+    def _rows_stay_symbolic(self, gm: torch.fx.GraphModule, batch, device: str) -> bool:
+        """Whether the CPU default tuning is dropped for this graph's listed sizes: its
+        GEMMs keep a symbolic row count once the batch is a number (:mod:`.rows`).
+        Only the measured default is overridden, never options the user gave."""
+        if (device != "cpu" or self.options.compiler == "eager" or batch is None
+                or batch.symbol is None or self.options.sized_inductor_options is not None):
+            return False
+        gemms = rows.symbolic_rows(gm, batch.symbol)
+        if gemms:
+            rows.untuned_for_rows(self.graph_id, gemms)
+        return bool(gemms)
 
     def _sizes_in_range(self, fake_mode, symbol) -> list[int]:
         """The listed sizes this graph's batch symbol can take (Dynamo sends the others,

@@ -1,0 +1,98 @@
+"""Whether a graph's listed sizes can use the CPU tuning: the row count of its GEMMs.
+
+The CPU default for sized pieces (frozen weights + max-autotune, ``SIZED_DEFAULTS``)
+pays when a listed size makes every GEMM's row count a number: Inductor then prepacks
+the weight for that M and the C++ template is built for it. A graph traced with other
+symbolic dims in its activations (``torch.compile(dynamic=True)`` on inputs of shape
+``[batch, seq, dim]``: ``seq`` is symbolic too) keeps ``batch x seq`` rows symbolic in
+every sized piece, and there freezing loses. Measured 2026-12-05 (4 SDPA blocks,
+d 256, seq 4, 1 thread, ``dynamic=True``, ratio to stock ``torch.compile(dynamic=True)``
+at listed sizes 2 / 4 / 8): the default 1.185 / 1.205 / 1.123, freezing alone 1.300 /
+1.145 / 1.094, untuned (``{}``) 1.012 / 1.000 / 1.000. Such a graph's sized pieces are
+therefore compiled untuned (counted, logged: :func:`untuned_for_rows`); marking only
+the batch dim (``mark_dynamic``/``mark_unbacked``) keeps the rows static and the
+tuning on. Only the measured default is overridden: ``sized_inductor_options`` given
+explicitly is used as given.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+
+import torch
+import torch.fx
+
+from .._torch import dynamo
+from ..stats import COUNTERS
+
+log = logging.getLogger(__name__)
+
+#: Dynamo-graph calls whose first argument is a GEMM's activation (rows x K).
+_GEMMS = {torch._C._nn.linear, torch.nn.functional.linear, torch.matmul, torch.mm,
+          torch.addmm, operator.matmul}
+_GEMM_METHODS = {"matmul", "mm", "__matmul__"}
+_told = False
+
+
+def symbolic_rows(gm: torch.fx.GraphModule, batch_symbol) -> list[str]:
+    """The GEMMs of ``gm`` with a model weight (a parameter or buffer: what freezing
+    turns into a constant) whose row count (every activation dim but the last) depends
+    on a symbol other than ``batch_symbol``, as ``"name: rows"``; empty if none.
+    Activation x activation products (attention scores) are not counted: freezing does
+    not touch them. ``gm`` is only read."""
+    found = []
+    for node in gm.graph.nodes:
+        if not _is_gemm(node) or not node.args:
+            continue
+        act, weight = (node.args[1], node.args[2]) if node.target is torch.addmm else node.args[:2]
+        if not _is_model_tensor(weight):  # activation x activation: no weight to freeze
+            continue
+        value = dynamo.placeholder_example(act) if isinstance(act, torch.fx.Node) else None
+        if not isinstance(value, torch.Tensor) or value.dim() < 2:
+            continue
+        rows = 1
+        for s in value.shape[:-1]:
+            rows = rows * s
+        free = getattr(rows, "node", None)
+        symbols = free.expr.free_symbols if free is not None else set()
+        if symbols - {batch_symbol}:
+            found.append(f"{node.name}: {rows}")
+    return found
+
+
+def _is_model_tensor(node) -> bool:
+    """A parameter or buffer (what freezing would make a constant), possibly transposed
+    or viewed on its way to the GEMM."""
+    while isinstance(node, torch.fx.Node):
+        if node.op == "get_attr":
+            return True
+        if node.op == "placeholder":
+            return not dynamo.is_user_input(node)
+        if node.op == "call_method" and node.target in ("t", "transpose", "permute", "view", "reshape") \
+                or node.op == "call_function" and node.target in (torch.t, torch.transpose, torch.permute):
+            node = node.args[0]
+            continue
+        return False
+    return False
+
+
+def _is_gemm(node: torch.fx.Node) -> bool:
+    if node.op == "call_function":
+        return node.target in _GEMMS
+    return node.op == "call_method" and node.target in _GEMM_METHODS
+
+
+def untuned_for_rows(graph_id: int, gemms: list[str]) -> None:
+    """Counted per graph (``fallbacks["sized_untuned_symbolic_rows"]``), a warning once
+    per process, INFO after: the graph's listed sizes compile like its general pieces."""
+    global _told
+    COUNTERS.add_keyed("fallbacks", "sized_untuned_symbolic_rows")
+    level = logging.INFO if _told else logging.WARNING
+    _told = True
+    log.log(
+        level, "sizebackend: graph %d: %d GEMMs keep a symbolic row count at every listed "
+        "size (%s), where frozen weights run slower than none; its listed sizes compile "
+        "without the CPU tuning. Mark only the batch dim dynamic "
+        "(torch._dynamo.mark_dynamic(x, 0) or mark_unbacked) instead of dynamic=True to "
+        "have them tuned", graph_id, len(gemms), ", ".join(gemms[:3]) + (", ..." if len(gemms) > 3 else ""),
+    )
