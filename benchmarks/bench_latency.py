@@ -107,7 +107,10 @@ def main(argv=None) -> int:
     for name in args.peers.split(",") if args.peers else ():  # app/peers.py
         # Copies: the first call's tensor gets the specialize_on marks, which must not
         # reach the other variants through a shared input.
-        variants[name] = (PeerForward(name, model, listed), {n: x.clone() for n, x in inputs.items()})
+        # batch_only: the batch dim alone dynamic, the setup "sb batch-dyn" has (with
+        # dynamic=True the sequence dim is symbolic too, and frozen weights lose).
+        variants[name] = (PeerForward(name, model, listed, batch_only=True),
+                          {n: x.clone() for n, x in inputs.items()})
     results: dict[str, dict[int, float]] = {name: {} for name in variants}
     with torch.no_grad():
         for name, (fn, feed) in variants.items():

@@ -38,6 +38,8 @@ from typing import Any, Callable
 
 import torch
 
+from .._torch.dynamo import is_user_input
+
 PEERS = ("specialize", "specialize-tuned", "dynamic-tuned")
 #: Autotuned ops that exist only for prepacked weights, which only freezing makes
 #: (Inductor's freezing passes pack linears for MKL/oneDNN and fuse them).
@@ -55,29 +57,35 @@ class PeerForward:
     holds the tuned variants' freezing while :attr:`warming`."""
 
     def __init__(self, name: str, model: torch.nn.Module, sizes: list[int], compiler: str = "inductor",
-                 keep_sources: bool = True):
+                 keep_sources: bool = True, batch_only: bool = False):
         self.name = name
         self.sizes = list(sizes)
-        self.marked = not name.startswith("specialize")
+        # batch_only: dim 0 of the first call's tokens is the only dynamic dim (default
+        # dynamic=None and mark_dynamic), not every dim (dynamic=True): for inputs with
+        # more dims than the batch, as a user who tunes would mark them (symbolic GEMM
+        # rows defeat the frozen weights' gain, see compile/rows.py).
+        dynamic = None if batch_only else True
+        self.marked = not (name.startswith("specialize") or batch_only)
         self.keep_sources: KeepSources | None = None
+        self.symbolic: list[list[bool]] = []  # compiler="eager": per graph, its first input's dims
         if compiler == "eager":  # logic checks: a backend callable of its own, no codegen
             self.tuned = False
-            self.compiled = torch.compile(model, dynamic=True, backend=lambda gm, _: gm.forward)
+            self.compiled = torch.compile(model, dynamic=dynamic, backend=self._record)
         else:
             self.tuned = name.endswith("-tuned")
             options = {**(_TUNING if self.tuned else {}), **_OWN[name]}
             if keep_sources and name == "specialize-tuned":
                 self.keep_sources = KeepSources(options)
-                self.compiled = torch.compile(model, dynamic=True, backend=self.keep_sources)
+                self.compiled = torch.compile(model, dynamic=dynamic, backend=self.keep_sources)
             else:
-                self.compiled = torch.compile(model, dynamic=True, options=options)
+                self.compiled = torch.compile(model, dynamic=dynamic, options=options)
         self.warming = True
         self.autotuned: Counter[str] = Counter()
 
     def __call__(self, ids: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
         if not self.marked:
-            torch._dynamo.mark_dynamic(
-                ids, 0, specialize_on=[_equals(n) for n in self.sizes])
+            specialize = [_equals(n) for n in self.sizes] if self.name.startswith("specialize") else None
+            torch._dynamo.mark_dynamic(ids, 0, specialize_on=specialize)
             self.marked = True
         if not (self.tuned and self.warming):
             return self.compiled(ids, *rest)
@@ -92,6 +100,16 @@ class PeerForward:
                 return self.compiled(ids, *rest)
         finally:
             select_algorithm.clear_feedback_savers()
+
+    def _record(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        """The logic-check backend: runs the graph as traced, noting which dims of its
+        first tensor argument Dynamo made symbolic."""
+        for node in gm.graph.find_nodes(op="placeholder"):
+            value = node.meta.get("example_value")
+            if isinstance(value, torch.Tensor) and is_user_input(node):
+                self.symbolic.append([isinstance(d, torch.SymInt) for d in value.shape])
+                break
+        return gm.forward
 
     def evidence(self) -> dict[str, Any]:
         """What the bench prints and writes for this variant."""

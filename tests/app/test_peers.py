@@ -45,3 +45,17 @@ def test_specialize_tuned_without_the_workaround_fails_as_torch_ships():
         peer(torch.randn(3, 32))
         with pytest.raises(Exception, match="NoneType' is not iterable"):
             peer(torch.randn(2, 32))
+
+
+@pytest.mark.parametrize("batch_only", [True, False])
+def test_batch_only_marks_dim_0_alone(batch_only):
+    # 3-D inputs: with dynamic=True the sequence dim is symbolic too; batch_only keeps it
+    # static, as bench_latency's peers (and its "sb batch-dyn") run.
+    model = _model()
+    peer = PeerForward("specialize", model, [2], compiler="eager", batch_only=batch_only)
+    with torch.no_grad():
+        for n in (3, 2, 5):
+            x = torch.randn(n, 4, 32)
+            torch.testing.assert_close(peer(x), model(x))
+    # One graph for every size (its size-2 specialization is compiled from it).
+    assert peer.symbolic[0] == ([True, False, False] if batch_only else [True, True, True])
