@@ -1,8 +1,10 @@
 """Hugging Face ``generate()`` (README recipe 1: ``model.forward`` compiled, static KV
 cache) at several batch sizes: eager, stock ``torch.compile(model.forward)``, the best
 native peer (``dynamic=True`` with the tuning the backend gives its sized pieces:
-frozen weights + max-autotune with the C++ GEMM template) and sizebackend with its
-defaults, in one interleaved run, tokens compared (issue 19).
+frozen weights + max-autotune with the C++ GEMM template), sizebackend with its
+defaults, and the same through ``dynamo_sizebackend.hf.compile_forward`` (the batch dim
+marked unbacked: one graph family for every batch, batch 1 on its tuned pieces), in one
+interleaved run, tokens compared (issue 19).
 
 The model is a random-weight ``LlamaForCausalLM`` built from a config (nothing is
 downloaded). Every variant gets its own copy of it (a frozen variant must not see
@@ -19,7 +21,7 @@ their seconds; "in forward" = the share of those seconds inside ``model.forward`
 run says why under "failed" (as ``sizebackend bench`` does), rather than being left out.
 
     python benchmarks/bench_hf.py [--layers 4] [--hidden 512] [--batches 1,2,4]
-        [--new-tokens 24] [--variants eager,stock,dynamic-tuned,sizebackend]
+        [--new-tokens 24] [--variants eager,stock,dynamic-tuned,sizebackend,sizebackend-unbacked]
         [--repeat 3] [--json out.json]
 """
 from __future__ import annotations
@@ -41,9 +43,12 @@ os.environ.setdefault("SIZEBACKEND_CACHE_DIR", tempfile.mkdtemp(prefix="bench-hf
 import torch  # noqa: E402
 
 import dynamo_sizebackend as sb  # noqa: E402
+import dynamo_sizebackend.hf  # noqa: E402
 from dynamo_sizebackend.app import peers  # noqa: E402
 
-VARIANTS = ("eager", "stock", "dynamic-tuned", "sizebackend")
+VARIANTS = ("eager", "stock", "dynamic-tuned", "sizebackend", "sizebackend-unbacked")
+#: The backend's variants: each one's share of ``sb.stats()`` is counted apart.
+BACKEND = ("sizebackend", "sizebackend-unbacked")
 #: The native peer's options: ``sizebackend bench``'s tuned peers' (the tuning of the
 #: backend's sized pieces on CPU), with an entry of its own (see the module docstring).
 #: Freezing is set around its init: Inductor reads it while Dynamo's compile runs.
@@ -77,15 +82,21 @@ class Variant:
         self.tuned = name == "dynamic-tuned" and compiler == "inductor"
         self.autotuned: dict[str, int] = {}
         self.forward_seconds = 0.0  # inside model.forward, while timing
+        self.stats: dict[str, object] = {}  # this variant's share of sb.stats()
         self.timing = False
         if name == "eager":
             self._time_forward(model.forward)
             return
-        if name == "sizebackend":
+        if name in BACKEND:
             options = {"compile_sizes": sizes}
             if compiler == "eager":
                 options["compiler"] = "eager"
-            compiled = torch.compile(model.forward, backend="sizebackend", options=options)
+            if name == "sizebackend":
+                compiled = torch.compile(model.forward, backend="sizebackend", options=options)
+            else:
+                # A distinct (default-valued) entry: equal options would share Dynamo's
+                # cache entries with the other sizebackend variant.
+                compiled = sb.hf.compile_forward(model, {**options, "cudagraphs": False})
         elif compiler == "eager":  # logic checks: Dynamo without codegen
             compiled = torch.compile(model.forward, backend="eager",
                                      dynamic=True if name == "dynamic-tuned" else None)
@@ -112,6 +123,18 @@ class Variant:
         self.model.forward = timed
 
     def generate(self, inputs: dict, warming: bool = False) -> torch.Tensor:
+        if self.name not in BACKEND:
+            return self._generate(inputs, warming)
+        # Two snapshots inside the timed generate(): microseconds against milliseconds.
+        before = sb.stats().to_dict()
+        try:
+            return self._generate(inputs, warming)
+        finally:
+            after = sb.stats().to_dict()
+            for key in ("graphs", "compiles", "calls", "fallbacks"):
+                self.stats[key] = _add(self.stats.get(key), before[key], after[key])
+
+    def _generate(self, inputs: dict, warming: bool) -> torch.Tensor:
         def run():
             return self.model.generate(**inputs, max_new_tokens=self.new_tokens,
                                        do_sample=False, cache_implementation="static")
@@ -129,6 +152,16 @@ class Variant:
                 return run()
         finally:
             select_algorithm.clear_feedback_savers()
+
+
+def _add(total, before, after):
+    """``total`` plus the change from ``before`` to ``after`` (ints, or dicts of them)."""
+    if isinstance(after, dict):
+        total = dict(total or {})
+        for key in after:
+            total[key] = total.get(key, 0) + after[key] - before.get(key, 0)
+        return {key: n for key, n in total.items() if n}
+    return (total or 0) + after - before
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         stored = sb.wait_for_packages()
         waited = time.perf_counter() - start
-        if "sizebackend" in variants:
+        if any(name in variants for name in BACKEND):
             print(f"[sizebackend] packages stored {waited:.1f} s after the inits "
                   f"({stored.stored} built, {stored.failed} failed)", flush=True)
         seconds = {name: 0.0 for name in variants}
@@ -218,11 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     produced = args.repeat * args.new_tokens * sum(batches)
     tok_s = {name: produced / s for name, s in seconds.items()}
     forward_share = {name: v.forward_seconds / seconds[name] for name, v in variants.items()}
-    print(f"\n{'variant':<14} {'tok/s':>8} {'init s':>8} {'vs eager':>9} {'vs stock':>9} "
+    print(f"\n{'variant':<20} {'tok/s':>8} {'init s':>8} {'vs eager':>9} {'vs stock':>9} "
           f"{'tokens':>7} {'in forward':>11}")
     for name in variants:
         vs_stock = f"{tok_s[name] / tok_s['stock']:9.2f}" if "stock" in tok_s else f"{'-':>9}"
-        print(f"{name:<14} {tok_s[name]:8.1f} {init[name]:8.1f} {tok_s[name] / tok_s['eager']:9.2f} "
+        print(f"{name:<20} {tok_s[name]:8.1f} {init[name]:8.1f} {tok_s[name] / tok_s['eager']:9.2f} "
               f"{vs_stock} {'equal' if tokens_equal[name] else 'DIFFER':>7} "
               f"{forward_share[name]:10.0%}")
     print("(in forward: the share of the timed generate() seconds spent inside model.forward;"
@@ -237,9 +270,9 @@ def main(argv: list[str] | None = None) -> int:
             if "stock" in per_batch:
                 cell += f" ({per_batch[name][b] / per_batch['stock'][b]:4.2f})"
             cells.append(f"b={b}: {cell}")
-        print(f"{name:<14} " + "   ".join(cells))
+        print(f"{name:<20} " + "   ".join(cells))
     for name, why in failed.items():
-        print(f"{name:<14} not run: {why}")
+        print(f"{name:<20} not run: {why}")
     evidence = {}
     if "dynamic-tuned" in variants and variants["dynamic-tuned"].tuned:
         ops = variants["dynamic-tuned"].autotuned
@@ -247,12 +280,11 @@ def main(argv: list[str] | None = None) -> int:
         evidence["dynamic-tuned"] = {"autotuned_ops": ops, "frozen": frozen}
         print(f"dynamic-tuned autotuned at init: {ops or 'nothing'}; weights frozen (prepacked "
               f"linears): {'yes' if frozen else 'no'}")
-    if "sizebackend" in variants:
-        s = sb.stats()
-        evidence["sizebackend"] = {"compiles": s.compiles, "calls": s.calls,
-                                   "fallbacks": s.fallbacks, "graphs": s.graphs}
-        print(f"sizebackend: {s.graphs} graphs, compiles {dict(s.compiles)}, "
-              f"calls {dict(s.calls)}, fallbacks {dict(s.fallbacks)}")
+    for name in BACKEND:
+        if name in variants:
+            s = evidence[name] = variants[name].stats
+            print(f"{name}: {s['graphs']} graphs, compiles {s['compiles']}, "
+                  f"calls {s['calls']}, fallbacks {s['fallbacks']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"tok_s": tok_s, "init_s": init, "forward_share": forward_share,

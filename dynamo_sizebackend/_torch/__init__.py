@@ -2,7 +2,7 @@
 (written against torch 2.13):
 
 - :mod:`.dynamo`: placeholder metadata, Dynamo's exceptions and compile lock, float
-  restarts, compile sessions;
+  restarts, compile sessions, an unbacked batch mark;
 - :mod:`.shape_env`: fake modes, symbols, value ranges, hints and guards;
 - :mod:`.inductor`: ``standalone_compile``, Inductor's config, artifact save/load;
 - :mod:`.direct_call`: the fast path into Inductor's generated code (with an off switch);

@@ -1,5 +1,6 @@
 """Dynamo's private surface: placeholder metadata, exception types, the compile lock,
-float-specialization restarts, compile sessions and the recompile-limit event (torch 2.13).
+float-specialization restarts, compile sessions, the recompile-limit event and marking an
+unbacked batch dim (torch 2.13).
 
 Why private: Dynamo records each placeholder's fake value and source only in
 ``node.meta`` (``example_value``, ``grapharg``); the restart that specializes a float and
@@ -320,3 +321,22 @@ def on_recompile_limit(callback: Callable[[RecompileLimitHit], None]) -> None:
         if isinstance(existing, _RecompileLimitFilter) and existing.callback == callback:
             return
     logger.addFilter(_RecompileLimitFilter(callback))
+
+
+# --- An unbacked batch dim -------------------------------------------------------------
+
+
+def batch_unbacked(tensor: torch.Tensor) -> bool:
+    """Whether dim 0 of ``tensor`` is marked unbacked (``mark_unbacked``) already."""
+    return 0 in getattr(tensor, "_dynamo_unbacked_indices", ())
+
+
+def mark_batch_unbacked(tensor: torch.Tensor, shape_id: str) -> None:
+    """Mark dim 0 of ``tensor`` unbacked, at least 1, and one symbol with every other dim
+    marked with ``shape_id`` (Dynamo adds a runtime check that they are equal).
+
+    Why private: torch 2.13 has ``mark_unbacked`` only in ``torch._dynamo.decorators``,
+    and records the mark only as tensor attributes (``_dynamo_unbacked_indices``, which
+    :func:`batch_unbacked` reads).
+    """
+    torch._dynamo.decorators.mark_unbacked(tensor, 0, shape_id=shape_id, min=1)

@@ -24,14 +24,22 @@ def test_bench_hf_runs_every_variant_with_equal_tokens(tmp_path):
                  SIZEBACKEND_CACHE_DIR="none"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
-    variants = ["eager", "stock", "dynamic-tuned", "sizebackend"]
+    variants = ["eager", "stock", "dynamic-tuned", "sizebackend", "sizebackend-unbacked"]
     assert result["failed"] == {}
     assert sorted(result["tokens_equal"]) == sorted(variants)
     assert all(result["tokens_equal"].values())
     assert all(result["tok_s"][v] > 0 for v in variants)
     assert all(0 < result["forward_share"][v] < 1 for v in variants)
     assert all(result["tok_s_by_batch"][v]["2"] > 0 for v in variants)
-    # The backend served generate()'s forward calls: prefill and decode at both batches.
-    calls = result["evidence"]["sizebackend"]["calls"]
-    assert sum(calls.values()) == 2 * 3 * 2, calls  # (1 init + 1 timed) x 3 steps x 2 batches
+    # The backend served generate()'s forward calls: prefill and decode at both batches,
+    # (1 init + 1 timed) x 3 steps x 2 batches, each variant counted apart.
+    for name in ("sizebackend", "sizebackend-unbacked"):
+        calls = result["evidence"][name]["calls"]
+        assert sum(calls.values()) == 2 * 3 * 2, (name, calls)
+    # Batch 1 first: backed, its prefill and decode are static graphs and batch 2 brings
+    # the dynamic ones (4); unbacked, one prefill and one decode graph serve both (2),
+    # batch 1 on the listed size-1 pieces.
+    assert result["evidence"]["sizebackend"]["graphs"] == 4
+    assert result["evidence"]["sizebackend-unbacked"]["graphs"] == 2
+    assert result["evidence"]["sizebackend-unbacked"]["calls"]["1"] == 2 * 3
     assert "sizebackend" in done.stdout and "tokens" in done.stdout
