@@ -92,7 +92,8 @@ def untuned_for_rows(graph_id: int, gemms: list[str]) -> None:
     log.log(
         level, "sizebackend: graph %d: %d GEMMs keep a symbolic row count at every listed "
         "size (%s), where frozen weights run slower than none; its listed sizes compile "
-        "without the CPU tuning. Mark only the batch dim dynamic "
-        "(torch._dynamo.mark_dynamic(x, 0) or mark_unbacked) instead of dynamic=True to "
-        "have them tuned", graph_id, len(gemms), ", ".join(gemms[:3]) + (", ..." if len(gemms) > 3 else ""),
+        "without the CPU tuning. The other symbols come from dynamic=True or from a dim "
+        "Dynamo saw change; where the batch is the only dim that varies, mark it alone "
+        "(torch._dynamo.mark_dynamic(x, 0) or mark_unbacked) to have them tuned",
+        graph_id, len(gemms), ", ".join(gemms[:3]) + (", ..." if len(gemms) > 3 else ""),
     )
