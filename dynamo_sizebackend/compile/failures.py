@@ -8,6 +8,16 @@ from .._torch import dynamo, observe
 from ..stats import COUNTERS
 
 log = logging.getLogger(__name__)
+_told: set[str] = set()  # decisions warned about in this process (tell_once)
+
+
+def tell_once(key: str, logger: logging.Logger, message: str, *args: object) -> None:
+    """A per-graph decision that costs speed: counted as ``fallbacks[key]``, logged as a
+    warning the first time in the process and at INFO after (one warning per server,
+    not one per graph)."""
+    COUNTERS.add_keyed("fallbacks", key)
+    logger.log(logging.INFO if key in _told else logging.WARNING, message, *args)
+    _told.add(key)
 
 
 class SizeCompileError(dynamo.user_error_base()):  # a RuntimeError

@@ -65,7 +65,7 @@ import torch.fx
 from .. import _C
 from .._torch import dynamo, shape_env
 from ..runtime.padding import mutated_inputs
-from ..stats import COUNTERS
+from . import failures
 
 log = logging.getLogger(__name__)
 
@@ -104,19 +104,13 @@ def freezable_inputs(
     return found, inference
 
 
-_told_inference = False
-
-
 def not_frozen_inference(graph_id: int, names: list[str]) -> None:
-    """Counted per graph (``fallbacks["inference_tensors_not_frozen"]``), logged once
+    """Counted per graph (``fallbacks["inference_tensors_not_frozen"]``), a warning once
     per process: inference tensors have no version counter, so an in-place write to one
     could never be seen; such a graph's sized pieces take them as inputs."""
-    global _told_inference
-    COUNTERS.add_keyed("fallbacks", "inference_tensors_not_frozen")
-    level = logging.INFO if _told_inference else logging.WARNING
-    _told_inference = True
-    log.log(
-        level, "sizebackend: graph %d: %d parameters and buffers are inference tensors "
+    failures.tell_once(
+        "inference_tensors_not_frozen", log,
+        "sizebackend: graph %d: %d parameters and buffers are inference tensors "
         "(made under torch.inference_mode()), which record no writes, so the sized pieces "
         "do not freeze them and run slower; build the model outside inference_mode (calling "
         "it under inference_mode is fine) to have them frozen", graph_id, len(names),

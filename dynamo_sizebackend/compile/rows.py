@@ -23,7 +23,7 @@ import torch
 import torch.fx
 
 from .._torch import dynamo
-from ..stats import COUNTERS
+from . import failures
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,6 @@ log = logging.getLogger(__name__)
 _GEMMS = {torch._C._nn.linear, torch.nn.functional.linear, torch.matmul, torch.mm,
           torch.addmm, operator.matmul}
 _GEMM_METHODS = {"matmul", "mm", "__matmul__"}
-_told = False
 
 
 def symbolic_rows(gm: torch.fx.GraphModule, batch_symbol) -> list[str]:
@@ -85,12 +84,9 @@ def _is_gemm(node: torch.fx.Node) -> bool:
 def untuned_for_rows(graph_id: int, gemms: list[str]) -> None:
     """Counted per graph (``fallbacks["sized_untuned_symbolic_rows"]``), a warning once
     per process, INFO after: the graph's listed sizes compile like its general pieces."""
-    global _told
-    COUNTERS.add_keyed("fallbacks", "sized_untuned_symbolic_rows")
-    level = logging.INFO if _told else logging.WARNING
-    _told = True
-    log.log(
-        level, "sizebackend: graph %d: %d GEMMs keep a symbolic row count at every listed "
+    failures.tell_once(
+        "sized_untuned_symbolic_rows", log,
+        "sizebackend: graph %d: %d GEMMs keep a symbolic row count at every listed "
         "size (%s), where frozen weights run slower than none; its listed sizes compile "
         "without the CPU tuning. The other symbols come from dynamic=True or from a dim "
         "Dynamo saw change; where the batch is the only dim that varies, mark it alone "
