@@ -53,8 +53,9 @@ _OWN = {"specialize": {"epilogue_fusion": True}, "specialize-tuned": {"epilogue_
 
 
 class PeerForward:
-    """A peer variant's forward: marks the first call's tokens (``specialize*``) and
-    holds the tuned variants' freezing while :attr:`warming`."""
+    """A peer variant's forward: marks the first call's tokens (``specialize*``, or
+    every peer with ``batch_only``) and holds the tuned variants' freezing while
+    :attr:`warming`."""
 
     def __init__(self, name: str, model: torch.nn.Module, sizes: list[int], compiler: str = "inductor",
                  keep_sources: bool = True, batch_only: bool = False):
