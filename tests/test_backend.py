@@ -203,3 +203,15 @@ def test_without_batch_dim_a_keyword_model_may_dispatch_on_another_input():
     with sb.expect(graphs=1, calls={"dynamic": 2}):
         for rows in (4, 4):
             compiled(x=torch.randn(rows, 16), bias=bias)
+
+
+@torch.no_grad()
+def test_torch_guard_filter_fn_passes_beside_our_options():
+    # README recipe 1: Dynamo takes guard_filter_fn out of the options before the backend
+    # sees them, so our strict option check never rejects it; dispatch is unchanged.
+    model = TinyTransformer(layers=1).eval()
+    compiled = compile_sb(model, compile_sizes=[2], compiler="eager",
+                          guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe)
+    with sb.expect(calls={2: 2, "dynamic": 1}):
+        for n in (2, 3, 2):
+            torch.testing.assert_close(compiled(batch(n)), model(batch(n)))
