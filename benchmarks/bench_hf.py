@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     evidence = {}
     if "dynamic-tuned" in variants and variants["dynamic-tuned"].tuned:
         ops = variants["dynamic-tuned"].autotuned
-        frozen = any(ops.get(op, 0) for op in peers._PREPACKED)
+        frozen = peers.froze(ops)
         evidence["dynamic-tuned"] = {"autotuned_ops": ops, "frozen": frozen}
         print(f"dynamic-tuned autotuned at init: {ops or 'nothing'}; weights frozen (prepacked "
               f"linears): {'yes' if frozen else 'no'}")

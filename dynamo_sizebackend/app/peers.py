@@ -117,7 +117,7 @@ class PeerForward:
         if not self.tuned:
             return {}
         found = {"autotuned_ops": dict(self.autotuned),
-                 "frozen": any(self.autotuned.get(op, 0) for op in _PREPACKED)}
+                 "frozen": froze(self.autotuned)}
         if self.keep_sources is not None:
             found["sources_restored"] = self.keep_sources.restored
         return found
@@ -144,6 +144,12 @@ class KeepSources:
             gm._param_name_to_source = self.kept[gm]
             self.restored += 1
         return compile_fx(gm, example_inputs, config_patches=self.options)
+
+
+def froze(autotuned: dict[str, int]) -> bool:
+    """Whether a compile that autotuned these ops (by name, with counts) had frozen
+    weights: some of them exist only for prepacked linears."""
+    return any(autotuned.get(op, 0) for op in _PREPACKED)
 
 
 def _equals(n: int) -> Callable[[int], bool]:
