@@ -84,13 +84,84 @@ def test_grad_mode_calls_go_through_the_artifact(artifact_calls):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("module", [_MutatesInput(), _ReturnsInputView()])
-def test_graphs_that_need_aots_epilogue_keep_the_full_path(module):
-    # An in-place write to an input is applied (or an aliased output rebuilt) by AOT's
-    # runtime wrapper after the call: skipping it would drop that.
+def test_input_writes_run_direct_with_aots_epilogue(artifact_calls):
+    # AOT's wrapper bumps the written input's version counter (what the frozen-weights
+    # check reads) and copies back writes the graph did not keep; the direct path runs
+    # that same epilogue around Inductor's call.
+    artifact = _artifact(_MutatesInput(), torch.randn(3, 4))
+    direct = direct_call.direct_call(artifact, returns_one=True)
+    assert direct is not None
+    x, reference = torch.randn(3, 4), None
+    for _ in range(3):
+        expected_x = x.clone()
+        reference = _MutatesInput()(expected_x)
+        version = x._version
+        got = direct(x)
+        torch.testing.assert_close(x, expected_x)
+        torch.testing.assert_close(got, reference)
+        assert x._version > version
+    assert len(artifact_calls) == 1  # the first call only
+
+
+@torch.no_grad()
+def test_outputs_aliasing_inputs_stay_views_on_the_direct_path(artifact_calls):
+    artifact = _artifact(_ReturnsInputView(), torch.randn(3, 4))
+    direct = direct_call.direct_call(artifact, returns_one=False)
+    assert direct is not None
     x = torch.randn(3, 4)
-    artifact = _artifact(module, x.clone())
-    assert direct_call.direct_call(artifact, returns_one=False) is None
+    for _ in range(3):
+        view, doubled = direct(x)
+        torch.testing.assert_close(view, x.t())
+        torch.testing.assert_close(doubled, x * 2)
+        view[0, 1] = 42.0  # a view of x, as eager's x.t() is: the write reaches x
+        assert x[1, 0].item() == 42.0
+    assert len(artifact_calls) == 1
+
+
+class _CacheWrite(torch.nn.Module):
+    """A decode step's shape: project, write keys and values into a cache passed in
+    (in place), attend over the cache's first ``batch`` rows (views of it)."""
+
+    def __init__(self, dim=32):
+        super().__init__()
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.out = torch.nn.Linear(dim, dim)
+
+    def forward(self, x, cache_k, cache_v, pos):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        keys = cache_k[: x.shape[0]]
+        values = cache_v[: x.shape[0]]
+        keys.index_copy_(1, pos, k)
+        values.index_copy_(1, pos, v)
+        a = torch.nn.functional.scaled_dot_product_attention(q[:, None], keys[:, None], values[:, None])
+        return self.out(a[:, 0])
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("defaults", [False, True], ids=["general-options", "real-defaults"])
+def test_cache_writing_pieces_run_direct_and_match_eager(defaults, artifact_calls, monkeypatch):
+    # The piece that writes the cache returns views of it to the attention piece: AOT's
+    # epilogue on both counts. With the real defaults the listed size is frozen too
+    # (weights constants, the cache and the step's inputs passed on).
+    if defaults:
+        monkeypatch.delenv("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS")
+    torch.manual_seed(0)
+    model = _CacheWrite().eval()
+    compiled = torch.compile(model, backend="sizebackend",
+                             options={"compile_sizes": [2], "cache_dir": None})
+    ours = [torch.zeros(4, 6, 32), torch.zeros(4, 6, 32)]
+    theirs = [t.clone() for t in ours]
+    for step, size in enumerate((2, 3, 2, 3, 2, 3)):
+        x, pos = torch.randn(size, 1, 32), torch.tensor([step])
+        torch._dynamo.mark_dynamic(x, 0)
+        torch.testing.assert_close(compiled(x, *ours, pos), model(x, *theirs, pos))
+        torch.testing.assert_close(ours, theirs)
+    stats = sb.stats()
+    assert stats.calls == {"2": 3, "dynamic": 3}
+    assert ("frozen" in stats.cache_skips) == defaults
+    # 2 compiled pieces (before and after attention) per program, 2 programs: each piece
+    # through its artifact on its first call only.
+    assert len(artifact_calls) == 4, len(artifact_calls)
 
 
 def test_non_artifacts_are_left_alone():
