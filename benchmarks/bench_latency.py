@@ -5,7 +5,12 @@ recompile per size) and sizebackend on a small transformer (LayerNorm + SDPA + M
 then measures the runner's own per-piece overhead with the eager adaptor.
 
     python benchmarks/bench_latency.py [--sizes 1,2,4,8] [--unlisted 3,6] [--json out.json]
-                                       [--plot latency.svg]
+                                       [--plot latency.svg] [--base ...] [--processes N]
+
+``--processes N`` runs the whole comparison in N fresh processes, one after another, and
+prints each one's sizebackend / peer ratios and their median: a ratio within a few
+percent of 1.0 can hold in every round of one process and reverse in the next process
+(the same compiled code, another placement in memory), so one process is one sample.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import functools
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +34,11 @@ import dynamo_sizebackend as sb  # noqa: E402
 from dynamo_sizebackend.app import plot  # noqa: E402
 from dynamo_sizebackend.app.peers import PeerForward  # noqa: E402
 from dynamo_sizebackend.models.sdpa import TinyTransformer  # noqa: E402
+
+
+BASE_VARIANTS = ("eager", "dynamic=True", "dynamic=False", "sizebackend", "sb batch-dyn",
+                 "sb unbacked")
+OURS = ("sizebackend", "sb batch-dyn", "sb unbacked")
 
 
 def interleaved(calls: dict, iters: int) -> dict[str, float]:
@@ -79,7 +90,20 @@ def main(argv=None) -> int:
                         "specialize-tuned, dynamic-tuned); '' for none")
     p.add_argument("--plot", metavar="FILE",
                    help="draw per-size latency of every variant: .svg, or .png (matplotlib)")
+    p.add_argument("--base", default=",".join(BASE_VARIANTS),
+                   help=f"comma-separated subset of {', '.join(BASE_VARIANTS)} (default all)")
+    p.add_argument("--processes", type=int, default=1,
+                   help="run the comparison in this many fresh processes and print the "
+                        "median of their sizebackend / peer ratios")
     args = p.parse_args(argv)
+    base = [b for b in args.base.split(",") if b]
+    unknown = sorted(set(base) - set(BASE_VARIANTS))
+    if unknown or not base:
+        p.error(f"--base: unknown variant(s) {unknown}; pick from {list(BASE_VARIANTS)}")
+    if args.processes < 1:
+        p.error("--processes must be at least 1")
+    if args.processes > 1:
+        return in_processes(argv if argv is not None else sys.argv[1:], args.processes)
     if args.plot:
         plot.check_path(args.plot)
     listed = [int(s) for s in args.sizes.split(",")]
@@ -96,14 +120,16 @@ def main(argv=None) -> int:
     # name -> (callable, its inputs by size). Two sizebackend setups: dynamic=True, as the
     # dynamic=True baseline traces (every dim symbolic), and the batch dim alone marked
     # dynamic, the way a serving engine marks it: fewer symbols, fewer guards per call.
-    variants = {
-        "eager": (model, inputs),
-        "dynamic=True": (torch.compile(model, dynamic=True), inputs),
-        "dynamic=False": (torch.compile(model, dynamic=False), inputs),
-        "sizebackend": (torch.compile(model, backend="sizebackend", dynamic=True, options=options), inputs),
-        "sb batch-dyn": (torch.compile(model, backend="sizebackend", options=dict(options)), marked),
-        "sb unbacked": (torch.compile(model, backend="sizebackend", options=dict(options)), unbacked),
+    makers = {
+        "eager": lambda: (model, inputs),
+        "dynamic=True": lambda: (torch.compile(model, dynamic=True), inputs),
+        "dynamic=False": lambda: (torch.compile(model, dynamic=False), inputs),
+        "sizebackend": lambda: (torch.compile(model, backend="sizebackend", dynamic=True,
+                                              options=dict(options)), inputs),
+        "sb batch-dyn": lambda: (torch.compile(model, backend="sizebackend", options=dict(options)), marked),
+        "sb unbacked": lambda: (torch.compile(model, backend="sizebackend", options=dict(options)), unbacked),
     }
+    variants = {name: makers[name]() for name in BASE_VARIANTS if name in base}
     for name in args.peers.split(",") if args.peers else ():  # app/peers.py
         # Copies: the first call's tensor gets the specialize_on marks, which must not
         # reach the other variants through a shared input.
@@ -127,35 +153,43 @@ def main(argv=None) -> int:
             for name, t in interleaved(calls, args.iters).items():
                 results[name][n] = t
 
-    ours = ("sizebackend", "sb batch-dyn", "sb unbacked")
+    ours = [o for o in OURS if o in variants]
+    baselines = [(b, short) for b, short in (("eager", "eager"), ("dynamic=True", "dynamic"),
+                                             ("dynamic=False", "static")) if b in variants]
     print(f"\nper-call latency, {args.layers} layers, dim {args.dim}, seq {args.seq} "
-          "(us; ratios: sizebackend, sb batch-dyn, sb unbacked, over the baseline)")
+          f"(us; ratios: {', '.join(ours)}, over the baseline)")
     print(f"{'size':>4} {'listed':>6} " + " ".join(f"{k:>13}" for k in variants)
-          + f" {'sb/dyn':>20} {'sb/static':>20}")
+          + "".join(f" {'sb/' + short:>20}" for b, short in baselines if short != "eager"))
     rows = []
     for n in sizes:
         us = {k: results[k][n] * 1e6 for k in variants}
         row = {"size": n, "listed": n in listed, **{k: round(v, 1) for k, v in us.items()}}
         for o in ours:
-            row[f"{o}/eager"] = us[o] / us["eager"]
-            row[f"{o}/dynamic"] = us[o] / us["dynamic=True"]
-            row[f"{o}/static"] = us[o] / us["dynamic=False"]
+            for b, short in baselines:
+                row[f"{o}/{short}"] = us[o] / us[b]
         rows.append(row)
-        dyn = " ".join(f"{row[f'{o}/dynamic']:.3f}" for o in ours)
-        sta = " ".join(f"{row[f'{o}/static']:.3f}" for o in ours)
+        cols = [" ".join(f"{row[f'{o}/{short}']:.3f}" for o in ours)
+                for b, short in baselines if short != "eager"]
         print(f"{n:>4} {'yes' if n in listed else 'no':>6} " + " ".join(f"{us[k]:>13.1f}" for k in variants)
-              + f" {dyn:>20} {sta:>20}")
+              + "".join(f" {c:>20}" for c in cols))
+    peer_ratios = {}
     for peer in [k for k in variants if isinstance(variants[k][0], PeerForward)]:
         for o in ours:
             lst = [results[o][n] / results[peer][n] for n in sizes if n in listed]
             unl = [results[o][n] / results[peer][n] for n in sizes if n not in listed]
-            print(f"{o} / {peer}: listed max {max(lst):.3f} mean {statistics.mean(lst):.3f}; "
-                  f"unlisted max {max(unl):.3f} mean {statistics.mean(unl):.3f}")
+            peer_ratios[f"{o} / {peer}"] = {
+                "listed_max": max(lst), "listed_mean": statistics.mean(lst),
+                "unlisted_max": max(unl) if unl else None,
+                "unlisted_mean": statistics.mean(unl) if unl else None}
+            print(f"{o} / {peer}: listed max {max(lst):.3f} mean {statistics.mean(lst):.3f}"
+                  + (f"; unlisted max {max(unl):.3f} mean {statistics.mean(unl):.3f}" if unl else ""))
     for o in ours:
-        lst = [r[f"{o}/static"] for r in rows if r["listed"]]
-        unl = [r[f"{o}/dynamic"] for r in rows if not r["listed"]]
-        print(f"\n{o}: listed sizes / dynamic=False  max {max(lst):.3f}  mean {statistics.mean(lst):.3f} (target <= 0.95)")
-        print(f"{o}: unlisted sizes / dynamic=True max {max(unl):.3f}  mean {statistics.mean(unl):.3f} (target <= 1.03)")
+        if "dynamic=False" in variants:
+            lst = [r[f"{o}/static"] for r in rows if r["listed"]]
+            print(f"\n{o}: listed sizes / dynamic=False  max {max(lst):.3f}  mean {statistics.mean(lst):.3f} (target <= 0.95)")
+        unl = [r[f"{o}/dynamic"] for r in rows if not r["listed"]] if "dynamic=True" in variants else []
+        if unl:
+            print(f"{o}: unlisted sizes / dynamic=True max {max(unl):.3f}  mean {statistics.mean(unl):.3f} (target <= 1.03)")
 
     overhead = runner_overhead()
     print(f"runner overhead: {overhead:.2f} us per piece (target < 10)")
@@ -166,14 +200,53 @@ def main(argv=None) -> int:
                               f"{args.seq} (* listed size)", [
             plot.Panel("median us per call (lower is better)", "us", groups,
                        {k: [results[k][n] * 1e6 for n in sizes] for k in variants}),
-            plot.Panel("ratio to dynamic=False", "x", groups,
-                       {k: [results[k][n] / results["dynamic=False"][n] for n in sizes]
-                        for k in variants}),
-        ])
+        ] + ([plot.Panel("ratio to dynamic=False", "x", groups,
+                         {k: [results[k][n] / results["dynamic=False"][n] for n in sizes]
+                          for k in variants})] if "dynamic=False" in variants else []))
         print(f"wrote {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "runner_overhead_us_per_piece": overhead}, f, indent=2)
+            json.dump({"rows": rows, "peer_ratios": peer_ratios,
+                       "runner_overhead_us_per_piece": overhead}, f, indent=2)
+    return 0
+
+
+def in_processes(argv: list[str], processes: int) -> int:
+    """Run this script ``processes`` times in fresh processes (one after another, sharing
+    the Inductor cache folder) and print every sizebackend / peer ratio per process and
+    the median over processes."""
+    def ours(i: int, a: str) -> bool:  # set per child here: --processes, --json
+        return any(a == o or a.startswith(o + "=") or (i and argv[i - 1] == o)
+                   for o in ("--processes", "--json"))
+    json_path = next((a.split("=", 1)[1] if "=" in a else argv[i + 1]
+                      for i, a in enumerate(argv) if a.split("=", 1)[0] == "--json"), None)
+    argv = [a for i, a in enumerate(argv) if not ours(i, a)]
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="bench-latency-runs-") as folder:
+        for i in range(processes):
+            out = os.path.join(folder, f"run{i}.json")
+            rc = subprocess.call([sys.executable, os.path.abspath(__file__), *argv, "--json", out])
+            if rc != 0:
+                print(f"process {i} failed with exit status {rc}", file=sys.stderr)
+                return rc
+            with open(out) as f:
+                runs.append(json.load(f)["peer_ratios"])
+    if not runs[0]:
+        print("no peer to compare with: --processes reports sizebackend / peer ratios "
+              "(--peers)", file=sys.stderr)
+        return 2
+    print(f"\nsizebackend / peer over {processes} processes (each process's mean over sizes; "
+          "median, then every process's):")
+    for pair in runs[0]:
+        for kind in ("listed", "unlisted"):
+            means = [r[pair][f"{kind}_mean"] for r in runs]
+            if None in means:
+                continue
+            print(f"{pair}: {kind} mean {statistics.median(means):.3f} "
+                  f"[{' '.join(f'{m:.3f}' for m in means)}]")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"processes": runs}, f, indent=2)
     return 0
 
 
