@@ -32,6 +32,7 @@ from . import background, floats, freeze, guards, rows
 from .adaptor import (
     CompiledPiece,
     CompilerAdaptor,
+    InductorAdaptor,
     compile_piece,
     make_adaptor,
     size_key,
@@ -323,7 +324,12 @@ class GraphCompiler:
         batch = find_batch(gm, self.options.batch_dim)
         sg = split(gm, OpMatcher(self.options.splitting_ops))
         device = _device_type(example_inputs)
-        self.adaptor = make_adaptor(self.options, device, tuned=not self._rows_stay_symbolic(gm, batch, device))
+        size_one = self._listed_size_one(batch, device)
+        self.adaptor = make_adaptor(
+            self.options, device, tuned=not self._rows_stay_symbolic(gm, batch, device, size_one))
+        if size_one and (not isinstance(self.adaptor, InductorAdaptor)
+                         or self.adaptor.sized_options == self.adaptor.inductor_options):
+            size_one = False  # sized pieces would compile exactly like these: nothing to gain
         if self.adaptor.config_for(0).get("freezing"):
             self._freezable, inference = freeze.freezable_inputs(gm, example_inputs)
             if inference:
@@ -361,7 +367,7 @@ class GraphCompiler:
         COUNTERS.add("graphs")
         COUNTERS.add("pieces", len(sg.compiled_pieces))
         COUNTERS.add("splits", len(sg.pieces) - len(sg.compiled_pieces))
-        if static:
+        if static and not size_one:
             log.info("sizebackend: graph %d has no symbolic batch size; compiled once", self.graph_id)
             if self.options.compile_sizes and dynamo.static_shapes_forced():
                 _warn_sizes_unused(self.options.compile_sizes)
@@ -369,6 +375,11 @@ class GraphCompiler:
             if cudagraphs.captures_size(self.options, size):  # e.g. size 1, 0/1-specialized
                 general = Program(key, self._captured(sg, general.pieces, size), clone_outputs=True)
             return Runner(forward, general, {}, None, 0, graph_id=self.graph_id)
+        if size_one:
+            log.info("sizebackend: graph %d is batch 1's graph of its own (0/1 specialization) "
+                     "and 1 is a listed size: its size-1 pieces compile with the sized options, "
+                     "the ones just compiled serve while they do or if they fail", self.graph_id)
+            sizes = [1]
 
         symbol = batch.symbol
 
@@ -390,7 +401,7 @@ class GraphCompiler:
                     by_size[size] = program
             self.progress.close()  # a size that failed leaves steps unused
         pad = None
-        if self.options.pad_to_size and sizes:
+        if self.options.pad_to_size and sizes and not size_one:
             pad = padding.plan_for_graph(gm, fakes, symbol, sizes, self.graph_id)
         runner = Runner(
             forward, general, by_size, batch.arg_index, batch.dim,
@@ -404,12 +415,25 @@ class GraphCompiler:
             background.start(runner, sizes, compile_size_later)
         return runner
 
-    def _rows_stay_symbolic(self, gm: torch.fx.GraphModule, batch, device: str) -> bool:
+    def _listed_size_one(self, batch, device: str) -> bool:
+        """Whether this is batch 1's static graph (Dynamo's 0/1 specialization of a backed
+        batch, the first call's graph at batch 1) with 1 a listed size: Dynamo keeps
+        sending batch 1 here, never to the dynamic graph, so its size-1 pieces get the
+        sized options as a listed size does there. CPU only (a captured size 1 on CUDA
+        stays as it was, untested here); never under ``dynamic=False``, where every size
+        is a static graph of its own (see :func:`_warn_sizes_unused`)."""
+        return (device == "cpu" and batch is not None and batch.symbol is None
+                and batch.static_size == 1 and 1 in self.options.compile_sizes
+                and not dynamo.static_shapes_forced())
+
+    def _rows_stay_symbolic(self, gm: torch.fx.GraphModule, batch, device: str,
+                            size_one: bool = False) -> bool:
         """Whether the CPU default tuning is dropped for this graph's listed sizes: its
         GEMMs keep a symbolic row count once the batch is a number (:mod:`.rows`).
         Only the measured default is overridden, never options the user gave."""
         if (device != "cpu" or self.options.compiler == "eager" or batch is None
-                or batch.symbol is None or self.options.sized_inductor_options is not None):
+                or (batch.symbol is None and not size_one)
+                or self.options.sized_inductor_options is not None):
             return False
         gemms = rows.symbolic_rows(gm, batch.symbol)
         if gemms:
