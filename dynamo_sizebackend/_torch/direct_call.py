@@ -209,9 +209,24 @@ def direct_call(
     ] if "_mark_dynamic_" in names else []
     mark = wrapper.__globals__.get("_mark_dynamic_")
     arguments = _argument_builder(layers, keep)
-    slow = slow or artifact
-    grad_enabled = torch.is_grad_enabled
     run: list[Callable[[list[Any]], Any]] = []
+
+    def fast(args: tuple[Any, ...]) -> Any:
+        outs = run[0](arguments(args))
+        if type(outs) is not list:
+            outs = list(outs)
+        for i, dims in marks:
+            mark(outs[i], dims)
+        return outs[0] if returns_one else outs
+
+    return _fast_after_first_call(slow or artifact, inner, run, fast)
+
+
+def _fast_after_first_call(slow: Callable[..., Any], inner: Any, run: list[Callable[..., Any]],
+                           fast: Callable[[tuple[Any, ...]], Any]) -> Callable[..., Any]:
+    """``slow(*args)`` for the first call (after which ``run`` holds Inductor's ``call``)
+    and for calls with grad mode on; ``fast(args)`` for every other call."""
+    grad_enabled = torch.is_grad_enabled
 
     def call(*args: Any) -> Any:
         if not run or grad_enabled():
@@ -219,12 +234,7 @@ def direct_call(
             if not run and inner.current_callable is not None:
                 run.append(inner.current_callable)
             return out
-        outs = run[0](arguments(args))
-        if type(outs) is not list:
-            outs = list(outs)
-        for i, dims in marks:
-            mark(outs[i], dims)
-        return outs[0] if returns_one else outs
+        return fast(args)
 
     return call
 
@@ -248,8 +258,6 @@ def _through_epilogue(
     else:
         positions = tuple(keep)
         full = lambda args: params + [args[i] for i in positions]
-    slow = slow or artifact
-    grad_enabled = torch.is_grad_enabled
     run: list[Callable[[list[Any]], Any]] = []
 
     if preserved is None:
@@ -262,13 +270,8 @@ def _through_epilogue(
     def nothing() -> None:
         return None
 
-    def call(*args: Any) -> Any:
-        if not run or grad_enabled():
-            out = slow(*args)
-            if not run and inner.current_callable is not None:
-                run.append(inner.current_callable)
-            return out
+    def fast(args: tuple[Any, ...]) -> Any:
         outs = wrapper(compiled, contextlib.nullcontext, nothing, full(args))
         return outs[0] if returns_one else outs
 
-    return call
+    return _fast_after_first_call(slow or artifact, inner, run, fast)
