@@ -32,7 +32,6 @@ from . import background, floats, freeze, guards, rows
 from .adaptor import (
     CompiledPiece,
     CompilerAdaptor,
-    InductorAdaptor,
     compile_piece,
     make_adaptor,
     size_key,
@@ -327,9 +326,9 @@ class GraphCompiler:
         size_one = self._listed_size_one(batch, device)
         self.adaptor = make_adaptor(
             self.options, device, tuned=not self._rows_stay_symbolic(gm, batch, device, size_one))
-        if size_one and (not isinstance(self.adaptor, InductorAdaptor)
-                         or self.adaptor.sized_options == self.adaptor.inductor_options):
-            size_one = False  # sized pieces would compile exactly like these: nothing to gain
+        # Sized pieces that would compile exactly like these (eager, {}, rows untuned):
+        # nothing to gain.
+        size_one = size_one and self.adaptor.config_for(1) != self.adaptor.config_for(None)
         if self.adaptor.config_for(0).get("freezing"):
             self._freezable, inference = freeze.freezable_inputs(gm, example_inputs)
             if inference:
@@ -350,7 +349,7 @@ class GraphCompiler:
             key = str(batch.static_size) if batch is not None else "static"
         else:
             key = "dynamic"
-        sizes = [] if static else self._sizes_in_range(fake_mode, batch.symbol)
+        sizes = [1] if size_one else [] if static else self._sizes_in_range(fake_mode, batch.symbol)
         observe.artifact("sizebackend_split", lambda: {
             "graph": self.graph_id, "shape": key, "sizes": sizes,
             "compile_mode": self.options.compile_mode,
@@ -379,7 +378,6 @@ class GraphCompiler:
             log.info("sizebackend: graph %d is batch 1's graph of its own (0/1 specialization) "
                      "and 1 is a listed size: its size-1 pieces compile with the sized options, "
                      "the ones just compiled serve while they do or if they fail", self.graph_id)
-            sizes = [1]
 
         symbol = batch.symbol
 
