@@ -33,5 +33,12 @@ def _fresh_dynamo():
 
 
 @pytest.fixture
+def real_defaults(monkeypatch):
+    """The sized options a user gets (the measured default of the device), not the
+    suite's ``{}`` above."""
+    monkeypatch.delenv("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS")
+
+
+@pytest.fixture
 def run_dir(tmp_path):
     return tmp_path

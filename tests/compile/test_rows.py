@@ -62,11 +62,6 @@ def test_activation_products_are_not_counted():
     assert _rows_of(_Scores().eval(), q, k, dynamic=True) == []
 
 
-@pytest.fixture
-def real_defaults(monkeypatch):
-    monkeypatch.delenv("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS")
-
-
 def _sized_code(tmp_path, key):
     return [p.read_text() for p in tmp_path.glob(f"*_{key}.code.py")]
 

@@ -12,11 +12,6 @@ from ..nets import TinyTransformer, batch
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 
 
-@pytest.fixture
-def real_defaults(monkeypatch):
-    monkeypatch.delenv("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS")
-
-
 def _first_call_marked(x):
     torch._dynamo.mark_dynamic(x, 0)
     return x

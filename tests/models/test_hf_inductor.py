@@ -27,11 +27,6 @@ pytest.importorskip("transformers")
 BATCHES = (1, 2, 4)
 
 
-@pytest.fixture
-def real_defaults(monkeypatch):
-    monkeypatch.delenv("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS")
-
-
 @pytest.mark.inductor
 @torch.no_grad()
 def test_generate_with_inductor_and_the_default_options(real_defaults, tmp_path, monkeypatch,

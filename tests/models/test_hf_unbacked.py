@@ -121,11 +121,6 @@ def test_importing_hf_does_not_import_transformers():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 
 
-@pytest.fixture
-def real_defaults(monkeypatch):
-    monkeypatch.delenv("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS")
-
-
 @pytest.mark.inductor
 @torch.no_grad()
 def test_inductor_with_the_default_options(real_defaults):
