@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     if args.processes < 1:
         p.error("--processes must be at least 1")
     if args.processes > 1:
-        return in_processes(argv if argv is not None else sys.argv[1:], args.processes)
+        return in_processes(argv if argv is not None else sys.argv[1:], args.processes, args.json)
     if args.plot:
         plot.check_path(args.plot)
     listed = [int(s) for s in args.sizes.split(",")]
@@ -120,16 +120,15 @@ def main(argv=None) -> int:
     # name -> (callable, its inputs by size). Two sizebackend setups: dynamic=True, as the
     # dynamic=True baseline traces (every dim symbolic), and the batch dim alone marked
     # dynamic, the way a serving engine marks it: fewer symbols, fewer guards per call.
-    makers = {
-        "eager": lambda: (model, inputs),
-        "dynamic=True": lambda: (torch.compile(model, dynamic=True), inputs),
-        "dynamic=False": lambda: (torch.compile(model, dynamic=False), inputs),
-        "sizebackend": lambda: (torch.compile(model, backend="sizebackend", dynamic=True,
-                                              options=dict(options)), inputs),
-        "sb batch-dyn": lambda: (torch.compile(model, backend="sizebackend", options=dict(options)), marked),
-        "sb unbacked": lambda: (torch.compile(model, backend="sizebackend", options=dict(options)), unbacked),
+    variants = {  # torch.compile compiles at the first call: unpicked ones cost nothing
+        "eager": (model, inputs),
+        "dynamic=True": (torch.compile(model, dynamic=True), inputs),
+        "dynamic=False": (torch.compile(model, dynamic=False), inputs),
+        "sizebackend": (torch.compile(model, backend="sizebackend", dynamic=True, options=options), inputs),
+        "sb batch-dyn": (torch.compile(model, backend="sizebackend", options=dict(options)), marked),
+        "sb unbacked": (torch.compile(model, backend="sizebackend", options=dict(options)), unbacked),
     }
-    variants = {name: makers[name]() for name in BASE_VARIANTS if name in base}
+    variants = {name: v for name, v in variants.items() if name in base}
     for name in args.peers.split(",") if args.peers else ():  # app/peers.py
         # Copies: the first call's tensor gets the specialize_on marks, which must not
         # reach the other variants through a shared input.
@@ -211,21 +210,17 @@ def main(argv=None) -> int:
     return 0
 
 
-def in_processes(argv: list[str], processes: int) -> int:
+def in_processes(argv: list[str], processes: int, json_path: str | None) -> int:
     """Run this script ``processes`` times in fresh processes (one after another, sharing
     the Inductor cache folder) and print every sizebackend / peer ratio per process and
-    the median over processes."""
-    def ours(i: int, a: str) -> bool:  # set per child here: --processes, --json
-        return any(a == o or a.startswith(o + "=") or (i and argv[i - 1] == o)
-                   for o in ("--processes", "--json"))
-    json_path = next((a.split("=", 1)[1] if "=" in a else argv[i + 1]
-                      for i, a in enumerate(argv) if a.split("=", 1)[0] == "--json"), None)
-    argv = [a for i, a in enumerate(argv) if not ours(i, a)]
+    the median over processes; ``json_path``: write every process's ratios there."""
     runs = []
     with tempfile.TemporaryDirectory(prefix="bench-latency-runs-") as folder:
         for i in range(processes):
             out = os.path.join(folder, f"run{i}.json")
-            rc = subprocess.call([sys.executable, os.path.abspath(__file__), *argv, "--json", out])
+            # argparse keeps an option's last value: these override the caller's
+            rc = subprocess.call([sys.executable, os.path.abspath(__file__), *argv,
+                                  "--processes", "1", "--json", out])
             if rc != 0:
                 print(f"process {i} failed with exit status {rc}", file=sys.stderr)
                 return rc
