@@ -124,7 +124,8 @@ def main(argv=None) -> int:
         "eager": (model, inputs),
         "dynamic=True": (torch.compile(model, dynamic=True), inputs),
         "dynamic=False": (torch.compile(model, dynamic=False), inputs),
-        "sizebackend": (torch.compile(model, backend="sizebackend", dynamic=True, options=options), inputs),
+        "sizebackend": (torch.compile(model, backend="sizebackend", dynamic=True,
+                                      options=dict(options)), inputs),
         "sb batch-dyn": (torch.compile(model, backend="sizebackend", options=dict(options)), marked),
         "sb unbacked": (torch.compile(model, backend="sizebackend", options=dict(options)), unbacked),
     }
