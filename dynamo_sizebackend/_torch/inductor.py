@@ -16,8 +16,11 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx
 
-from . import autotune, isa_probe, pch, templates
+from . import aoti, autotune, isa_probe, pch, templates
 from .dynamo import COMPILE_LOCK
+
+log = logging.getLogger(__name__)
+_UNALIGNED_SEEN: set[str] = set()
 
 
 def standalone_compile(
@@ -199,15 +202,38 @@ def aot_compile_package(
 def aot_load_package(path: str) -> Any:
     """Load a package :func:`aot_compile_package` wrote; the file may be deleted after
     (its ``.so`` is extracted to a folder of its own). Raises on a damaged package or
-    one built by another torch."""
+    one built by another torch. A CPU package comes back with its constants on 64-byte
+    boundaries where :func:`.aoti.load_aligned` can do that, else as torch's loader
+    gives it (:func:`aot_unaligned` says whether that is to be counted)."""
     with COMPILE_LOCK, isa_probe.remembered():
-        return torch._inductor.aoti_load_package(path)
+        aligned = aoti.load_aligned(path)
+        if isinstance(aligned, aoti.AlignedCpuPackage):
+            return aligned
+        package = torch._inductor.aoti_load_package(path)
+    if aligned.counted:
+        first = aligned.reason not in _UNALIGNED_SEEN
+        _UNALIGNED_SEEN.add(aligned.reason)
+        (log.warning if first else log.debug)(
+            "a CPU package's constants could not be realigned (%s); it runs on torch's "
+            "loader's copy, slower (fallbacks[\"aot_unaligned\"])", aligned.reason)
+        package._sizebackend_unaligned = aligned.reason
+    else:
+        log.debug("package %s left to torch's loader: %s", path, aligned.reason)
+    return package
+
+
+def aot_unaligned(package: Any) -> bool:
+    """Whether ``package`` runs on torch's loader's misaligned constants because a
+    check of ``_torch/aoti.py`` failed (``fallbacks["aot_unaligned"]``)."""
+    return getattr(package, "_sizebackend_unaligned", None) is not None
 
 
 def aot_runner(package: Any) -> Callable[[list[torch.Tensor]], list[torch.Tensor]] | None:
     """The loaded package's flat entry point, ``run(list of input tensors) -> list of
     outputs``, skipping the pytree flattening of its ``__call__`` (about 30 us per call
     on this machine's CPU); ``None`` where torch's loader has no such method."""
+    if isinstance(package, aoti.AlignedCpuPackage):
+        return package.run
     loader = getattr(package, "loader", None)
     run = getattr(loader, "run", None)
     return run if callable(run) else None

@@ -200,6 +200,8 @@ def compile_or_load(
                            for v in example if isinstance(v, torch.Tensor)]
                 inductor.aot_compile_package(_Bound(gm, example), tensors, dict(config), path)
                 package = inductor.aot_load_package(path)
+                if inductor.aot_unaligned(package):
+                    COUNTERS.add_keyed("fallbacks", "aot_unaligned")
             except Exception as e:  # export or AOTInductor cannot take it: the JIT path
                 cache.skip("aot_failed", "%s (size %s) cannot be compiled ahead of time "
                            "(%s: %s); compiling it on the JIT path, not stored",

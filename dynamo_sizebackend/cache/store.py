@@ -307,6 +307,8 @@ class PieceCache:
             os.unlink(tmp)
         if kind == "jit" and returns_one_value(gm):
             artifact = FirstOutput(artifact)
+        if kind != "jit" and inductor.aot_unaligned(artifact):
+            COUNTERS.add_keyed("fallbacks", "aot_unaligned")
         COUNTERS.add("cache_hits")
         _SHARED.put(key, artifact)
         return artifact

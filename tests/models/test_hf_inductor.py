@@ -6,7 +6,8 @@ of the suite turns off with ``SIZEBACKEND_SIZED_INDUCTOR_OPTIONS={}``.
 Before issue 21 the second ``generate()`` at a batch size crashed in a cache-update
 kernel of a frozen sized piece: the static cache's ``cumulative_length`` (a tensor of
 the cache object the call passes) had been frozen as a constant. Since issue 18 the
-frozen sized pieces are stored as AOTInductor packages, and a restart loads them.
+frozen sized pieces are stored as AOTInductor packages, and a restart loads them, on
+64-byte aligned copies of their constants (``_torch/aoti.py``).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 import dynamo_sizebackend as sb
+from dynamo_sizebackend._torch import aoti
 from dynamo_sizebackend.cache import store
 from dynamo_sizebackend.cache.store import DiskCache
 
@@ -63,6 +65,14 @@ def test_generate_with_inductor_and_the_default_options(real_defaults, tmp_path,
     store.forget_shared()
     model.forward = eager_forward
     model.forward = counting_forward(model, options)
+    loads = []  # every package the restart loads runs on aligned constants (_torch/aoti.py)
+    load_aligned = aoti.load_aligned
+
+    def recorded(path):
+        loads.append(load_aligned(path))
+        return loads[-1]
+
+    monkeypatch.setattr(aoti, "load_aligned", recorded)
     before = sb.stats()
     for inputs, want in zip(scenario[::2], expected[::2]):
         assert torch.equal(generate(model, inputs, cache_implementation="static"), want)
@@ -71,6 +81,8 @@ def test_generate_with_inductor_and_the_default_options(real_defaults, tmp_path,
     unstored = sum(after.cache_skips.get(k, 0) - before.cache_skips.get(k, 0) for k in ("frozen", "guards"))
     assert recompiled == unstored, (after.compiles, after.cache_skips)
     assert after.cache_hits - before.cache_hits >= len(packages)
+    assert loads and all(isinstance(p, aoti.AlignedCpuPackage) for p in loads), loads
+    assert "aot_unaligned" not in after.fallbacks
 
     # Weights reloaded in place after compiling (a new checkpoint): every frozen size
     # sees it once and recompiles; tokens follow the new weights.

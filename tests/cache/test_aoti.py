@@ -1,0 +1,180 @@
+"""Frozen pieces' packages run on 64-byte aligned constants (``_torch/aoti.py``): each
+internal constant gets its own copy, also where Inductor gives several one FQN (the
+case an earlier attempt got wrong); a package it cannot verify runs on torch's loader,
+counted in ``fallbacks["aot_unaligned"]``.
+
+Real Inductor and AOTInductor compiles with the sized options a user gets (freezing and
+max-autotune: the C++ GEMM template packs each weight per GEMM), of a SwiGLU block:
+one piece, three GEMMs whose packed weights share one FQN.
+"""
+from __future__ import annotations
+
+import dataclasses
+import zipfile
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+
+import dynamo_sizebackend as sb
+from dynamo_sizebackend._torch import aoti
+from dynamo_sizebackend.cache import store
+from dynamo_sizebackend.cache.store import DiskCache
+
+from ..nets import compile_sb
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int = 32, hidden: int = 64):
+        super().__init__()
+        self.gate = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return x + self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+OPTIONS = {"compile_sizes": [4], "store_frozen": "inline"}
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+
+
+def _x(n: int) -> torch.Tensor:
+    return torch.randn(n, 32, generator=torch.Generator().manual_seed(n))
+
+
+def _restart():
+    torch._dynamo.reset()
+    store.forget_shared()
+
+
+def _serve(model, cache_dir) -> dict[int, torch.Tensor]:
+    compiled = compile_sb(model, cache_dir=str(cache_dir), **OPTIONS)
+    outs = {n: compiled(_x(n)) for n in (3, 4)}
+    for n, out in outs.items():
+        torch.testing.assert_close(out, model(_x(n)), **TOL)
+    return outs
+
+
+def _package(cache_dir, tmp_path) -> str:
+    """The stored package of the size-4 piece, as a ``.pt2`` file."""
+    (entry,) = [e for e in DiskCache(str(cache_dir)).entries()[0] if e.kind == "aot"]
+    key = entry.path.rsplit("/", 1)[1].removesuffix(store.SUFFIX)
+    path = tmp_path / "piece.pt2"
+    path.write_bytes(DiskCache(str(cache_dir)).read(key))
+    return str(path)
+
+
+def _table(path: str) -> list[aoti.Constant]:
+    with zipfile.ZipFile(path) as archive:
+        (wrapper,) = [n for n in archive.namelist() if n.endswith("wrapper.cpp")]
+        return aoti.parse_constants(archive.read(wrapper).decode())
+
+
+@pytest.fixture(autouse=True)
+def _no_shared_pieces():
+    store.forget_shared()
+    yield
+    store.forget_shared()
+
+
+@pytest.mark.inductor
+@torch.no_grad()
+def test_packages_run_on_aligned_constants_each_its_own(real_defaults, tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model = SwiGLU().eval()
+    cache = tmp_path / "cache"
+    with sb.expect(compiles={"dynamic": 1, 4: 1}, cache_misses=2, fallbacks={}):
+        cold = _serve(model, cache)
+
+    # The package: several constants share one FQN, each of its own shape or values.
+    path = _package(cache, tmp_path)
+    table = _table(path)
+    fqns = [c.fqn for c in table]
+    assert len(set(fqns)) < len(fqns), [(c.name, c.fqn) for c in table]
+    aligned = aoti.load_aligned(path)
+    assert isinstance(aligned, aoti.AlignedCpuPackage), aligned
+    assert {n: tuple(t.shape) for n, t in aligned.constants.items()} == {c.name: c.shape for c in table}
+    assert all(t.data_ptr() % aoti.ALIGNMENT == 0 for t in aligned.constants.values())
+    shared = [c.name for c in table if fqns.count(c.fqn) > 1]
+    copies = [aligned.constants[n] for n in shared]
+    assert all(not (a.shape == b.shape and torch.equal(a, b)) for i, a in enumerate(copies)
+               for b in copies[i + 1:]), "two GEMMs were handed one packed weight"
+    # The same outputs as torch's loader on the same package, bit for bit.
+    loaded = torch._inductor.aoti_load_package(path)
+    ours, theirs = aligned.run([_x(4)]), loaded.loader.run([_x(4)])
+    assert len(ours) == len(theirs) >= 1 and all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    # Called as the exported module (outputs rebuilt from the call spec), as torch's.
+    ours, theirs = aligned(_x(4)), loaded(_x(4))
+    assert type(ours) is type(theirs)
+    assert all(torch.equal(a, b) for a, b in zip(pytree.tree_leaves(ours), pytree.tree_leaves(theirs)))
+
+    # A restart loads it aligned: nothing compiles, nothing falls back, the same bits.
+    _restart()
+    with sb.expect(compiles={}, cache_hits=2, fallbacks={}):
+        warm = _serve(model, cache)
+    assert all(torch.equal(warm[n], cold[n]) for n in (3, 4))
+
+    # A table whose names are mixed up (two constants of one FQN trade names: the
+    # mix-up an FQN-keyed copy makes) is refused: torch's loader serves, counted.
+    parse = aoti.parse_constants
+
+    def mixed_up(source):
+        got = parse(source)
+        i, j = [k for k, c in enumerate(got) if fqns.count(c.fqn) > 1][:2]
+        got[i], got[j] = (dataclasses.replace(got[i], name=got[j].name),
+                          dataclasses.replace(got[j], name=got[i].name))
+        return got
+
+    with monkeypatch.context() as patch:  # (undo() would also undo real_defaults)
+        patch.setattr(aoti, "parse_constants", mixed_up)
+        refusal = aoti.load_aligned(path)
+        assert isinstance(refusal, aoti.NotAligned) and refusal.counted, refusal
+        assert "not the aligned copy after the swap" in refusal.reason
+        _restart()
+        with sb.expect(compiles={}, cache_hits=2, fallbacks={"aot_unaligned": 1}):
+            refused = _serve(model, cache)
+    assert all(torch.equal(refused[n], cold[n]) for n in (3, 4))
+    # Byte counts that do not add up to the library's constants: refused before the swap.
+    with monkeypatch.context() as patch:
+        patch.setattr(aoti, "parse_constants", lambda source: [
+            dataclasses.replace(c, nbytes=c.nbytes + aoti.ALIGNMENT) for c in parse(source)])
+        refusal = aoti.load_aligned(path)
+        assert refusal.counted and "are not the library's" in refusal.reason, refusal
+
+    # Turned off: torch's loader, not counted (nothing was asked).
+    monkeypatch.setenv("SIZEBACKEND_ALIGN_PACKAGES", "0")
+    assert aoti.load_aligned(path) == aoti.NotAligned("off (SIZEBACKEND_ALIGN_PACKAGES=0)")
+    _restart()
+    with sb.expect(compiles={}, cache_hits=2, fallbacks={}):
+        off = _serve(model, cache)
+    assert all(torch.equal(off[n], cold[n]) for n in (3, 4))
+
+
+def test_the_constant_table_is_read_strictly():
+    source = "\n".join([
+        'constants_info_[0].name = "w";',
+        "constants_info_[0].dtype = cached_torch_dtype_bfloat16;",
+        "constants_info_[0].offset = 2;",
+        "constants_info_[0].data_size = 16;",
+        "constants_info_[0].from_folded = false;",
+        "constants_info_[0].shape = {2, 3};",
+        "constants_info_[0].stride = {3, 1};",
+        "constants_info_[0].layout = static_cast<int32_t>(cached_torch_layout_strided);",
+        'constants_info_[0].original_fqn = "m.w";',
+    ])
+    (c,) = aoti.parse_constants(source)
+    assert (c.name, c.fqn, c.dtype, c.shape, c.stride, c.offset, c.nbytes, c.folded, c.strided) == (
+        "w", "m.w", torch.bfloat16, (2, 3), (3, 1), 2, 16, False, True)
+    assert c.fits()  # elements 2..7 of 8
+    assert not dataclasses.replace(c, offset=3).fits()
+    opaque = source.replace("cached_torch_layout_strided", "cached_torch_layout__mkldnn")
+    assert not aoti.parse_constants(opaque)[0].strided
+    with pytest.raises(ValueError, match="constant 0"):
+        aoti.parse_constants(source.replace("data_size", "size"))
+    with pytest.raises(ValueError, match="constant 1 missing"):
+        aoti.parse_constants(source + "\n" + source.replace("[0]", "[2]"))
+    with pytest.raises(ValueError, match="ELF64"):
+        aoti.embedded_constants(b"not a library")
