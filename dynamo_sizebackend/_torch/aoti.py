@@ -36,7 +36,6 @@ Off switch: ``SIZEBACKEND_ALIGN_PACKAGES=0`` in the environment.
 """
 from __future__ import annotations
 
-import logging
 import os
 import re
 import shutil
@@ -49,10 +48,8 @@ from typing import Any, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-log = logging.getLogger(__name__)
 
-#: What the loader rounds each constant up to inside its blob (``AOTI_CONST_ALIGNMENT``),
-#: and what torch's CPU allocator aligns tensors to (``c10::gAlignment``).
+#: A cache line, and what torch's CPU allocator aligns tensors to (``c10::gAlignment``).
 ALIGNMENT = 64
 
 _FIELD = re.compile(r"^\s*constants_info_\[(\d+)\]\.(\w+) = (.*);\s*$", re.M)
