@@ -36,11 +36,13 @@ Off switch: ``SIZEBACKEND_ALIGN_PACKAGES=0`` in the environment.
 """
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import shutil
 import struct
 import tempfile
+import warnings
 import zipfile
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -130,7 +132,7 @@ def _symbols(elf: bytes, names: Sequence[str]) -> dict[str, int]:
         strings = sections[link][4]
         for at in range(offset, offset + size, entsize):
             name_at, _, _, index, value, _ = struct.unpack_from("<IBBHQQ", elf, at)
-            end = elf.index(b"\0", strings + name_at)
+            end = elf.find(b"\0", strings + name_at)
             name = elf[strings + name_at:end].decode(errors="replace")
             if name in wanted and 0 < index < shnum:
                 _, _, _, address, file_offset, *_ = sections[index]
@@ -140,15 +142,15 @@ def _symbols(elf: bytes, names: Sequence[str]) -> dict[str, int]:
     return found
 
 
-def embedded_constants(library: bytes) -> bytes:
-    """The constants a package's library carries (``_binary_constants_bin_start`` to
-    ``_end``: each constant's bytes in table order, unpadded), which the loader copies
-    into its blob."""
+def embedded_constants(library: Any) -> tuple[int, int]:
+    """Where a package's library (its bytes, or an ``mmap`` of it) carries its constants:
+    ``_binary_constants_bin_start`` to ``_end``, each constant's bytes in table order,
+    unpadded, which the loader copies into its blob."""
     at = _symbols(library, ("_binary_constants_bin_start", "_binary_constants_bin_end"))
-    return library[at["_binary_constants_bin_start"]:at["_binary_constants_bin_end"]]
+    return at["_binary_constants_bin_start"], at["_binary_constants_bin_end"]
 
 
-def _copies(runner: Any, table: Sequence[Constant], embedded: bytes) -> dict[str, torch.Tensor]:
+def _copies(runner: Any, table: Sequence[Constant], embedded: memoryview) -> dict[str, torch.Tensor]:
     """Aligned copies of every constant, keyed by internal name, made from the bytes
     the library embeds; raises ``ValueError`` where the table disagrees with those
     bytes or with the constants the runner loaded."""
@@ -157,7 +159,9 @@ def _copies(runner: Any, table: Sequence[Constant], embedded: bytes) -> dict[str
     if sum(c.nbytes for c in table) != len(embedded):
         raise ValueError(f"the table's {sum(c.nbytes for c in table)} bytes are not the "
                          f"library's {len(embedded)}")
-    data = torch.frombuffer(bytearray(embedded), dtype=torch.uint8) if embedded else None
+    with warnings.catch_warnings():  # read-only memory, only read from: not a concern
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        data = torch.frombuffer(embedded, dtype=torch.uint8) if len(embedded) else None
     copies, read = {}, 0
     for c in table:
         raw = torch.empty(c.nbytes, dtype=torch.uint8)
@@ -251,10 +255,11 @@ def load_aligned(path: str) -> AlignedCpuPackage | NotAligned:
             return NotAligned("no constants, or opaque or folded ones")
         if not all(c.fits() for c in table):
             return NotAligned("a constant's shape exceeds its bytes", counted=True)
-        with open(extracted, "rb") as f:
-            embedded = embedded_constants(f.read())
         runner = runner_class(extracted, 1)  # dlopen keeps the library once the file goes
-        copies = _copies(runner, table, embedded)
+        with open(extracted, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as lib:
+            start, end = embedded_constants(lib)
+            with memoryview(lib)[start:end] as embedded:
+                copies = _copies(runner, table, embedded)
         runner.update_constant_buffer(copies, True, True, True)  # inactive, full, user-managed
         runner.swap_constant_buffer()
         runner.free_inactive_constant_buffer()
