@@ -26,11 +26,15 @@ names are the runner's, its byte counts sum to the embedded bytes exactly, and e
 constant ``extract_constants_map`` returns has the table's shape, stride and offset and
 the same values as its copy; after the swap, the runner's constants are the copies.
 
+An opaque constant (a weight oneDNN packed: freezing picked mkldnn's linear, as it
+does without max-autotune and for some GEMM shapes with it) sits in the same blob,
+equally misaligned; its copy is oneDNN's own clone of the runner's tensor (same
+format, a buffer of its own), which needs its FQN to be unique in the table.
+
 What this does not take on returns :class:`NotAligned` and the package loads with
-torch's loader as before: another device or several libraries, opaque (oneDNN-packed,
-the layout of freezing without max-autotune) or folded constants (not counted), and
-any failed check (counted in ``fallbacks["aot_unaligned"]`` by the caller, logged:
-slower, still correct).
+torch's loader as before: another device or several libraries, folded constants, an
+opaque constant sharing its FQN (not counted), and any failed check (counted in
+``fallbacks["aot_unaligned"]`` by the caller, logged: slower, still correct).
 
 Off switch: ``SIZEBACKEND_ALIGN_PACKAGES=0`` in the environment.
 """
@@ -150,30 +154,45 @@ def embedded_constants(library: Any) -> tuple[int, int]:
     return at["_binary_constants_bin_start"], at["_binary_constants_bin_end"]
 
 
+def address(tensor: torch.Tensor) -> int:
+    """Where ``tensor``'s data starts (a oneDNN tensor's own buffer for an opaque one)."""
+    return torch.ops.mkldnn.data_ptr(tensor) if tensor.is_mkldnn else tensor.data_ptr()
+
+
 def _copies(runner: Any, table: Sequence[Constant], embedded: memoryview) -> dict[str, torch.Tensor]:
-    """Aligned copies of every constant, keyed by internal name, made from the bytes
-    the library embeds; raises ``ValueError`` where the table disagrees with those
-    bytes or with the constants the runner loaded."""
+    """Aligned copies of every constant, keyed by internal name: a plain one made from
+    the bytes the library embeds, an opaque (oneDNN) one cloned from the runner's (its
+    FQN is unique, checked by the caller). Raises ``ValueError`` where the table
+    disagrees with those bytes or with the constants the runner loaded."""
     if {c.name: c.fqn for c in table} != dict(runner.get_constant_names_to_original_fqns()):
         raise ValueError("constant names differ from the runner's")
     if sum(c.nbytes for c in table) != len(embedded):
         raise ValueError(f"the table's {sum(c.nbytes for c in table)} bytes are not the "
                          f"library's {len(embedded)}")
+    loaded = runner.extract_constants_map(False)
     with warnings.catch_warnings():  # read-only memory, only read from: not a concern
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         data = torch.frombuffer(embedded, dtype=torch.uint8) if len(embedded) else None
     copies, read = {}, 0
     for c in table:
-        raw = torch.empty(c.nbytes, dtype=torch.uint8)
-        if c.nbytes:
-            raw.copy_(data[read:read + c.nbytes])
+        if not c.strided:
+            copy = loaded[c.fqn].clone()  # oneDNN's clone: its own buffer, the same format
+            if not copy.is_mkldnn or torch.ops.mkldnn._nbytes(copy) != c.nbytes:
+                raise ValueError(f"{c.name}: not an opaque tensor of {c.nbytes} bytes")
+            copies[c.name] = copy
+        else:
+            raw = torch.empty(c.nbytes, dtype=torch.uint8)
+            if c.nbytes:
+                raw.copy_(data[read:read + c.nbytes])
+            copies[c.name] = raw.view(c.dtype).as_strided(c.shape, c.stride, c.offset)
         read += c.nbytes
-        copies[c.name] = raw.view(c.dtype).as_strided(c.shape, c.stride, c.offset)
     first: dict[str, Constant] = {}
     for c in table:
         first.setdefault(c.fqn, c)
-    for fqn, tensor in runner.extract_constants_map(False).items():
+    for fqn, tensor in loaded.items():
         c = first[fqn]
+        if not c.strided:
+            continue  # its copy is its clone
         if (tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
                 tensor.storage_offset()) != (c.dtype, c.shape, c.stride, c.offset):
             raise ValueError(f"{c.name}: the runner's tensor differs from the table")
@@ -224,8 +243,8 @@ class NotAligned:
     """Why :func:`load_aligned` left a package to torch's loader. ``counted``: a CPU
     package of plain (strided) constants that failed a check, which the caller counts
     (``fallbacks["aot_unaligned"]``); not counted: realignment off, a package that is
-    not one CPU library, or one holding opaque (oneDNN-packed) or folded constants,
-    which this does not take on (those run as torch loads them)."""
+    not one CPU library, or one holding folded constants or an opaque constant that
+    shares its FQN, which this does not take on (those run as torch loads them)."""
 
     reason: str
     counted: bool = False
@@ -251,8 +270,11 @@ def load_aligned(path: str) -> AlignedCpuPackage | NotAligned:
         with zipfile.ZipFile(path) as archive:
             table = parse_constants(archive.read(wrapper).decode())
             extracted = archive.extract(library, folder)
-        if not table or any(c.folded or not c.strided for c in table):
-            return NotAligned("no constants, or opaque or folded ones")
+        fqns = [c.fqn for c in table]
+        if not table or any(c.folded for c in table):
+            return NotAligned("no constants, or folded ones")
+        if any(not c.strided and fqns.count(c.fqn) > 1 for c in table):
+            return NotAligned("an opaque constant shares its FQN")
         if not all(c.fits() for c in table):
             return NotAligned("a constant's shape exceeds its bytes", counted=True)
         runner = runner_class(extracted, 1)  # dlopen keeps the library once the file goes
@@ -267,7 +289,7 @@ def load_aligned(path: str) -> AlignedCpuPackage | NotAligned:
         for c in table:
             first.setdefault(c.fqn, c.name)
         for fqn, tensor in runner.extract_constants_map(False).items():
-            if tensor.data_ptr() != copies[first[fqn]].data_ptr():
+            if address(tensor) != address(copies[first[fqn]]):
                 raise ValueError(f"{fqn}: not the aligned copy after the swap")
         return AlignedCpuPackage(runner, copies)
     except Exception as e:  # another runner or table: torch's loader, as before

@@ -5,7 +5,8 @@ counted in ``fallbacks["aot_unaligned"]``.
 
 Real Inductor and AOTInductor compiles with the sized options a user gets (freezing and
 max-autotune: the C++ GEMM template packs each weight per GEMM), of a SwiGLU block:
-one piece, three GEMMs whose packed weights share one FQN.
+one piece, three GEMMs whose packed weights share one FQN; and with freezing alone,
+whose weights oneDNN packs into opaque tensors.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from dynamo_sizebackend._torch import aoti
 from dynamo_sizebackend.cache import store
 from dynamo_sizebackend.cache.store import DiskCache
 
-from ..nets import compile_sb
+from ..nets import MLP, compile_sb
 
 
 class SwiGLU(nn.Module):
@@ -97,7 +98,7 @@ def test_packages_run_on_aligned_constants_each_its_own(real_defaults, tmp_path,
     aligned = aoti.load_aligned(path)
     assert isinstance(aligned, aoti.AlignedCpuPackage), aligned
     assert {n: tuple(t.shape) for n, t in aligned.constants.items()} == {c.name: c.shape for c in table}
-    assert all(t.data_ptr() % aoti.ALIGNMENT == 0 for t in aligned.constants.values())
+    assert all(aoti.address(t) % aoti.ALIGNMENT == 0 for t in aligned.constants.values())
     shared = [c.name for c in table if fqns.count(c.fqn) > 1]
     copies = [aligned.constants[n] for n in shared]
     assert all(not (a.shape == b.shape and torch.equal(a, b)) for i, a in enumerate(copies)
@@ -178,3 +179,27 @@ def test_the_constant_table_is_read_strictly():
         aoti.parse_constants(source + "\n" + source.replace("[0]", "[2]"))
     with pytest.raises(ValueError, match="ELF64"):
         aoti.embedded_constants(b"not a library")
+
+
+@pytest.mark.inductor
+@torch.no_grad()
+def test_onednn_packed_constants_get_aligned_clones(tmp_path):
+    # Freezing without max-autotune: mkldnn's linear, whose packed weights are opaque
+    # (oneDNN) tensors in the same misaligned blob.
+    torch.manual_seed(0)
+    model = MLP().eval()
+    cache = tmp_path / "cache"
+    compiled = compile_sb(model, cache_dir=str(cache), compile_sizes=[4], store_frozen="inline",
+                          sized_inductor_options={"freezing": True})
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(compiled(x), model(x), **TOL)
+    path = _package(cache, tmp_path)
+    opaque = [c.name for c in _table(path) if not c.strided]
+    assert opaque
+    aligned = aoti.load_aligned(path)
+    assert isinstance(aligned, aoti.AlignedCpuPackage), aligned
+    assert all(aligned.constants[n].is_mkldnn for n in opaque)
+    assert all(aoti.address(t) % aoti.ALIGNMENT == 0 for t in aligned.constants.values())
+    loaded = torch._inductor.aoti_load_package(path)
+    ours, theirs = aligned.run([x]), loaded.loader.run([x])
+    assert len(ours) == len(theirs) >= 1 and all(torch.equal(a, b) for a, b in zip(ours, theirs))
