@@ -23,7 +23,7 @@ demo: setup
 	$(VENV)/bin/sizebackend bench
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 bench-latency: setup
 	$(PY) benchmarks/bench_latency.py

@@ -40,6 +40,7 @@ Off switch: ``SIZEBACKEND_ALIGN_PACKAGES=0`` in the environment.
 """
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import re
@@ -226,14 +227,19 @@ def enabled() -> bool:
 
 def _members(path: str) -> tuple[str, str] | None:
     """The package's one library and its wrapper source, or ``None`` where it is not
-    a plain CPU package of one library."""
+    a CPU package of one library (its wrapper's metadata names the device)."""
     with zipfile.ZipFile(path) as archive:
         names = archive.namelist()
-    libraries = [n for n in names if n.endswith(".so")]
-    wrappers = [n for n in names if n.endswith("wrapper.cpp")]
-    if len(libraries) != 1 or len(wrappers) != 1:
-        return None
-    if any(n.endswith((".cubin", ".fatbin", ".spv", ".hsaco")) for n in names):
+        libraries = [n for n in names if n.endswith(".so")]
+        wrappers = [n for n in names if n.endswith("wrapper.cpp")]
+        metadata = [n for n in names if n.endswith("wrapper_metadata.json")]
+        if len(libraries) != 1 or len(wrappers) != 1 or len(metadata) != 1:
+            return None
+        try:
+            device = json.loads(archive.read(metadata[0])).get("AOTI_DEVICE_KEY")
+        except (ValueError, AttributeError):
+            return None
+    if device != "cpu" or any(n.endswith((".cubin", ".fatbin", ".spv", ".hsaco")) for n in names):
         return None
     return libraries[0], wrappers[0]
 

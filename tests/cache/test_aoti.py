@@ -203,3 +203,16 @@ def test_onednn_packed_constants_get_aligned_clones(tmp_path):
     loaded = torch._inductor.aoti_load_package(path)
     ours, theirs = aligned.run([x]), loaded.loader.run([x])
     assert len(ours) == len(theirs) >= 1 and all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+def test_a_package_for_another_device_is_left_to_torch_uncounted(tmp_path):
+    # The layout of a GPU package whose kernels are embedded in its library: only its
+    # metadata says it is not for the CPU. Nothing is loaded or counted.
+    path = tmp_path / "gpu.pt2"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("p/data/aotinductor/model/x.wrapper.so", b"\x7fELF")
+        archive.writestr("p/data/aotinductor/model/x.wrapper.cpp", "")
+        archive.writestr("p/data/aotinductor/model/x.wrapper_metadata.json",
+                         '{"AOTI_DEVICE_KEY": "cuda"}')
+    assert aoti.load_aligned(str(path)) == aoti.NotAligned("not one CPU library")
+    assert aoti.load_aligned(str(tmp_path / "missing.pt2")).counted is False
