@@ -42,6 +42,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import statistics
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -320,6 +321,11 @@ def figures(w: Workload, results: list[Result]) -> dict[str, dict[str, Any]]:
             if base in by_name:
                 row[f"vs_{base}"] = by_name[base].run_seconds / r.run_seconds
                 row[f"cpu_vs_{base}"] = min(by_name[base].cpu_runs) / cpu
+                # Round by round (each round runs every variant back to back): load
+                # that lasts a round hits both sides of its ratio.
+                paired = [b / a for a, b in zip(r.runs, by_name[base].runs)]
+                row[f"rounds_vs_{base}"] = paired
+                row[f"median_round_vs_{base}"] = statistics.median(paired)
         rows[r.name] = row
     return rows
 
@@ -359,6 +365,13 @@ def report(w: Workload, results: list[Result], rows: dict[str, dict[str, Any]]) 
     )
     print("slowest/fastest run (machine noise): "
           + ", ".join(f"{r.name} {max(r.runs) / min(r.runs):.2f}" for r in results))
+    base = "dynamic" if "dynamic" in rows else "eager"
+    if base in rows and len(rows) > 1:
+        print(f"ratios vs {base} round by round (each round runs every variant back to "
+              "back), median (least-most): " + ", ".join(
+                  f"{name} {row[f'median_round_vs_{base}']:.2f}x "
+                  f"({min(row[f'rounds_vs_{base}']):.2f}-{max(row[f'rounds_vs_{base}']):.2f})"
+                  for name, row in rows.items() if name != base))
 
     # CPU time leaves out the time the process waited for a core, the main noise on a
     # shared machine (with --threads above 1 it includes OpenMP workers spinning).

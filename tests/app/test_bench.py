@@ -1,5 +1,6 @@
 """The benchmark's scheduler and an end-to-end ``sizebackend bench`` run on the tiny model."""
 import json
+import statistics
 from xml.etree import ElementTree
 
 import pytest
@@ -96,7 +97,7 @@ def test_bench_end_to_end(tmp_path, capsys, variants):
     threads = torch.get_num_threads()
     argv = ["--model", "tiny", "--requests", "6", "--input-len", "8", "--output-len", "6",
             "--max-num-seqs", "3", "--variants", variants, "--compiler", "eager",
-            "--repeat", "1", "--json", str(out), "--plot", str(tmp_path / "bench.svg")]
+            "--repeat", "2", "--json", str(out), "--plot", str(tmp_path / "bench.svg")]
     assert bench.main(argv) == 0
     assert torch.get_num_threads() == threads  # --threads is undone on the way out
     printed = capsys.readouterr().out
@@ -109,6 +110,14 @@ def test_bench_end_to_end(tmp_path, capsys, variants):
         for key in ("requests_per_s", "total_tokens_per_s", "output_tokens_per_s",
                     "init_seconds", "run_seconds", "vs_eager"):
             assert row[key] > 0, key
+    # Round by round: run i of the base over run i of the variant, and their median.
+    base = "dynamic" if "dynamic" in data["variants"] else "eager"
+    base_runs = data["variants"][base]["all_run_seconds"]
+    for name, row in data["variants"].items():
+        rounds = [b / a for a, b in zip(row["all_run_seconds"], base_runs)]
+        assert len(rounds) == 2 and row[f"rounds_vs_{base}"] == rounds
+        assert row[f"median_round_vs_{base}"] == statistics.median(rounds)
+    assert f"ratios vs {base} round by round" in printed
     # The picture: one bar per variant in each panel (tokens/s, init s), each bar's
     # tooltip the figure the JSON holds.
     svg = ElementTree.parse(tmp_path / "bench.svg").getroot()
