@@ -122,9 +122,9 @@ def parse_constants(source: str) -> list[Constant]:
     return table
 
 
-def _symbols(elf: bytes, names: Sequence[str]) -> dict[str, int]:
-    """File offsets of the named symbols of a little-endian ELF64 shared library, read
-    from its static symbol table (``nm`` lists them; they are not exported)."""
+def _symbols(elf: Any, names: Sequence[str]) -> dict[str, int]:
+    """File offsets of the named symbols of a little-endian ELF64 shared library (its
+    bytes, or an ``mmap`` of it), read from its static symbol table (``nm`` lists them; they are not exported)."""
     if elf[:4] != b"\x7fELF" or elf[4] != 2 or elf[5] != 1:
         raise ValueError("not a little-endian ELF64 library")
     shoff, = struct.unpack_from("<Q", elf, 0x28)
@@ -160,6 +160,15 @@ def address(tensor: torch.Tensor) -> int:
     return torch.ops.mkldnn.data_ptr(tensor) if tensor.is_mkldnn else tensor.data_ptr()
 
 
+def _first_by_fqn(table: Sequence[Constant]) -> dict[str, Constant]:
+    """The first constant of each FQN in table order: the one ``extract_constants_map``
+    returns for that FQN (it keeps the lowest index)."""
+    first: dict[str, Constant] = {}
+    for c in table:
+        first.setdefault(c.fqn, c)
+    return first
+
+
 def _copies(runner: Any, table: Sequence[Constant], embedded: memoryview) -> dict[str, torch.Tensor]:
     """Aligned copies of every constant, keyed by internal name: a plain one made from
     the bytes the library embeds, an opaque (oneDNN) one cloned from the runner's (its
@@ -187,9 +196,7 @@ def _copies(runner: Any, table: Sequence[Constant], embedded: memoryview) -> dic
                 raw.copy_(data[read:read + c.nbytes])
             copies[c.name] = raw.view(c.dtype).as_strided(c.shape, c.stride, c.offset)
         read += c.nbytes
-    first: dict[str, Constant] = {}
-    for c in table:
-        first.setdefault(c.fqn, c)
+    first = _first_by_fqn(table)
     for fqn, tensor in loaded.items():
         c = first[fqn]
         if not c.strided:
@@ -291,11 +298,9 @@ def load_aligned(path: str) -> AlignedCpuPackage | NotAligned:
         runner.update_constant_buffer(copies, True, True, True)  # inactive, full, user-managed
         runner.swap_constant_buffer()
         runner.free_inactive_constant_buffer()
-        first = {}
-        for c in table:
-            first.setdefault(c.fqn, c.name)
+        first = _first_by_fqn(table)
         for fqn, tensor in runner.extract_constants_map(False).items():
-            if address(tensor) != address(copies[first[fqn]]):
+            if address(tensor) != address(copies[first[fqn].name]):
                 raise ValueError(f"{fqn}: not the aligned copy after the swap")
         return AlignedCpuPackage(runner, copies)
     except Exception as e:  # another runner or table: torch's loader, as before

@@ -20,7 +20,6 @@ from . import aoti, autotune, isa_probe, pch, templates
 from .dynamo import COMPILE_LOCK
 
 log = logging.getLogger(__name__)
-_UNALIGNED_SEEN: set[str] = set()
 
 
 def standalone_compile(
@@ -204,28 +203,23 @@ def aot_load_package(path: str) -> Any:
     (its ``.so`` is extracted to a folder of its own). Raises on a damaged package or
     one built by another torch. A CPU package comes back with its constants on 64-byte
     boundaries where :func:`.aoti.load_aligned` can do that, else as torch's loader
-    gives it (:func:`aot_unaligned` says whether that is to be counted)."""
+    gives it (:func:`aot_unaligned` says why, where that is to be counted)."""
     with COMPILE_LOCK, isa_probe.remembered():
         aligned = aoti.load_aligned(path)
         if isinstance(aligned, aoti.AlignedCpuPackage):
             return aligned
         package = torch._inductor.aoti_load_package(path)
     if aligned.counted:
-        first = aligned.reason not in _UNALIGNED_SEEN
-        _UNALIGNED_SEEN.add(aligned.reason)
-        (log.warning if first else log.debug)(
-            "a CPU package's constants could not be realigned (%s); it runs on torch's "
-            "loader's copy, slower (fallbacks[\"aot_unaligned\"])", aligned.reason)
         package._sizebackend_unaligned = aligned.reason
     else:
         log.debug("package %s left to torch's loader: %s", path, aligned.reason)
     return package
 
 
-def aot_unaligned(package: Any) -> bool:
-    """Whether ``package`` runs on torch's loader's misaligned constants because a
-    check of ``_torch/aoti.py`` failed (``fallbacks["aot_unaligned"]``)."""
-    return getattr(package, "_sizebackend_unaligned", None) is not None
+def aot_unaligned(package: Any) -> str | None:
+    """Why ``package`` runs on torch's loader's misaligned constants where a check of
+    ``_torch/aoti.py`` failed (``fallbacks["aot_unaligned"]``); ``None`` otherwise."""
+    return getattr(package, "_sizebackend_unaligned", None)
 
 
 def aot_runner(package: Any) -> Callable[[list[torch.Tensor]], list[torch.Tensor]] | None:

@@ -65,7 +65,7 @@ import torch.fx
 from .._torch import distributed, inductor
 from ..stats import COUNTERS
 from . import package_worker
-from .store import PieceCache
+from .store import PieceCache, load_package
 
 log = logging.getLogger(__name__)
 
@@ -199,9 +199,7 @@ def compile_or_load(
                 tensors = [package_worker.zeros(package_worker.spec_of(v))
                            for v in example if isinstance(v, torch.Tensor)]
                 inductor.aot_compile_package(_Bound(gm, example), tensors, dict(config), path)
-                package = inductor.aot_load_package(path)
-                if inductor.aot_unaligned(package):
-                    COUNTERS.add_keyed("fallbacks", "aot_unaligned")
+                package = load_package(path)
             except Exception as e:  # export or AOTInductor cannot take it: the JIT path
                 cache.skip("aot_failed", "%s (size %s) cannot be compiled ahead of time "
                            "(%s: %s); compiling it on the JIT path, not stored",

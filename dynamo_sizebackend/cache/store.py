@@ -242,6 +242,22 @@ def skip(reason: str, message: str, *args: Any, logger: logging.Logger = log) ->
     logger.log(level, "sizebackend cache: " + message, *args)
 
 
+def load_package(path: str) -> Any:
+    """The AOT package at ``path`` (``inductor.aot_load_package``). One that runs on
+    torch's loader's misaligned constants because a check of ``_torch/aoti.py`` failed
+    is counted in ``fallbacks["aot_unaligned"]``, warned about the first time per
+    reason, logged at DEBUG after that."""
+    package = inductor.aot_load_package(path)
+    reason = inductor.aot_unaligned(package)
+    if reason is not None:
+        COUNTERS.add_keyed("fallbacks", "aot_unaligned")
+        first = _SHARED.first_warning(f"aot_unaligned: {reason}")
+        log.log(logging.WARNING if first else logging.DEBUG,
+                "sizebackend: a CPU package's constants could not be realigned (%s); it "
+                "runs on torch's loader's copy, slower (fallbacks[\"aot_unaligned\"])", reason)
+    return package
+
+
 class PieceCache:
     """The cache as ``compile_piece`` (``compile/adaptor.py``) uses it, for one options set.
 
@@ -298,7 +314,7 @@ class PieceCache:
                        self.disk.path(key), e, name)
             return None
         try:
-            artifact = (inductor.load_artifact if kind == "jit" else inductor.aot_load_package)(tmp)
+            artifact = (inductor.load_artifact if kind == "jit" else load_package)(tmp)
         except Exception as e:  # torch's loader asserts on build mismatch; any failure: recompile
             self.skip("corrupt", "entry %s does not load (%s: %s); recompiling %s and replacing it",
                        self.disk.path(key), type(e).__name__, e, name)
@@ -307,8 +323,6 @@ class PieceCache:
             os.unlink(tmp)
         if kind == "jit" and returns_one_value(gm):
             artifact = FirstOutput(artifact)
-        if kind != "jit" and inductor.aot_unaligned(artifact):
-            COUNTERS.add_keyed("fallbacks", "aot_unaligned")
         COUNTERS.add("cache_hits")
         _SHARED.put(key, artifact)
         return artifact
