@@ -232,9 +232,11 @@ def enabled() -> bool:
     return os.environ.get("SIZEBACKEND_ALIGN_PACKAGES", "1") != "0"
 
 
-def _members(path: str) -> tuple[str, str] | None:
-    """The package's one library and its wrapper source, or ``None`` where it is not
-    a CPU package of one library (its wrapper's metadata names the device)."""
+def _members(path: str) -> tuple[str, str, str | None] | None:
+    """The package's one library, its wrapper source and the description of the ops
+    its code calls back into PyTorch for (``<library stem>.json``, where it has one),
+    or ``None`` where it is not a CPU package of one library (its wrapper's metadata
+    names the device)."""
     with zipfile.ZipFile(path) as archive:
         names = archive.namelist()
         libraries = [n for n in names if n.endswith(".so")]
@@ -248,7 +250,8 @@ def _members(path: str) -> tuple[str, str] | None:
             return None
     if device != "cpu" or any(n.endswith((".cubin", ".fatbin", ".spv", ".hsaco")) for n in names):
         return None
-    return libraries[0], wrappers[0]
+    calls = libraries[0].removesuffix(".so") + ".json"
+    return libraries[0], wrappers[0], calls if calls in names else None
 
 
 @dataclass(frozen=True)
@@ -277,12 +280,17 @@ def load_aligned(path: str) -> AlignedCpuPackage | NotAligned:
         return NotAligned(f"unreadable: {e}")
     if members is None:
         return NotAligned("not one CPU library")
-    library, wrapper = members
+    library, wrapper, calls = members
     folder = tempfile.mkdtemp(prefix="sizebackend-aoti-")
     try:
         with zipfile.ZipFile(path) as archive:
             table = parse_constants(archive.read(wrapper).decode())
             extracted = archive.extract(library, folder)
+            if calls is not None:
+                # The runner reads the ops its library calls back into PyTorch for
+                # (custom ops, fallbacks) from the file beside the library, as it is
+                # made; without it such a call fails ("Unable to find a proxy executor").
+                archive.extract(calls, folder)
         fqns = [c.fqn for c in table]
         if not table or any(c.folded for c in table):
             return NotAligned("no constants, or folded ones")

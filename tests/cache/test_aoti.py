@@ -216,3 +216,43 @@ def test_a_package_for_another_device_is_left_to_torch_uncounted(tmp_path):
                          '{"AOTI_DEVICE_KEY": "cuda"}')
     assert aoti.load_aligned(str(path)) == aoti.NotAligned("not one CPU library")
     assert aoti.load_aligned(str(tmp_path / "missing.pt2")).counted is False
+
+
+@torch.library.custom_op("sbtest_aoti::shift", mutates_args=())
+def _shift(x: torch.Tensor) -> torch.Tensor:
+    return x + 1.0
+
+
+@_shift.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class ShiftedSwiGLU(SwiGLU):
+    """A piece whose compiled code calls back into PyTorch for an op (a custom op that
+    is not a splitting op): its package describes that call in a file beside the
+    library, which the runner needs next to the library it loads."""
+
+    def forward(self, x):
+        return super().forward(torch.ops.sbtest_aoti.shift(x))
+
+
+@pytest.mark.inductor
+@torch.no_grad()
+def test_a_package_calling_a_custom_op_runs_aligned(real_defaults, tmp_path):
+    torch.manual_seed(0)
+    model = ShiftedSwiGLU().eval()
+    cache = tmp_path / "cache"
+    with sb.expect(compiles={"dynamic": 1, 4: 1}, fallbacks={}):
+        cold = _serve(model, cache)
+    path = _package(cache, tmp_path)
+    with zipfile.ZipFile(path) as archive:
+        (library,) = [n for n in archive.namelist() if n.endswith(".so")]
+        assert b"sbtest_aoti::shift" in archive.read(library.removesuffix(".so") + ".json")
+    aligned = aoti.load_aligned(path)
+    assert isinstance(aligned, aoti.AlignedCpuPackage), aligned
+    torch.testing.assert_close(aligned(_x(4)), model(_x(4)), **TOL)
+    _restart()
+    with sb.expect(compiles={}, cache_hits=2, fallbacks={}):
+        warm = _serve(model, cache)
+    assert all(torch.equal(warm[n], cold[n]) for n in (3, 4))
