@@ -254,6 +254,18 @@ def _members(path: str) -> tuple[str, str, str | None] | None:
     return libraries[0], wrappers[0], calls if calls in names else None
 
 
+#: What a package holds under ``data/`` that :func:`load_aligned` knows what to do with:
+#: the library, its sources, the description of its calls into PyTorch, metadata.
+#: Anything else (weights stored beside the library, TorchBind objects) is torch's
+#: loader's to set up.
+_KNOWN_DATA = (".so", ".cpp", ".wrapper.json", "_metadata.json")
+
+
+def _unknown_member(names: Sequence[str]) -> str | None:
+    return next((n for n in names if "/data/" in f"/{n}" and not n.endswith("/")
+                 and not n.endswith(_KNOWN_DATA)), None)
+
+
 @dataclass(frozen=True)
 class NotAligned:
     """Why :func:`load_aligned` left a package to torch's loader. ``counted``: a CPU
@@ -280,6 +292,10 @@ def load_aligned(path: str) -> AlignedCpuPackage | NotAligned:
         return NotAligned(f"unreadable: {e}")
     if members is None:
         return NotAligned("not one CPU library")
+    with zipfile.ZipFile(path) as archive:
+        unknown = _unknown_member(archive.namelist())
+    if unknown is not None:
+        return NotAligned(f"holds {unknown.rsplit('/', 1)[-1]}, which torch's loader sets up")
     library, wrapper, calls = members
     folder = tempfile.mkdtemp(prefix="sizebackend-aoti-")
     try:

@@ -216,6 +216,17 @@ def test_a_package_for_another_device_is_left_to_torch_uncounted(tmp_path):
                          '{"AOTI_DEVICE_KEY": "cuda"}')
     assert aoti.load_aligned(str(path)) == aoti.NotAligned("not one CPU library")
     assert aoti.load_aligned(str(tmp_path / "missing.pt2")).counted is False
+    # A CPU package with a file only torch's loader knows how to set up (a TorchBind
+    # object's): left to it, uncounted, before anything is loaded.
+    path = tmp_path / "objs.pt2"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("p/data/aotinductor/model/x.wrapper.so", b"\x7fELF")
+        archive.writestr("p/data/aotinductor/model/x.wrapper.cpp", "")
+        archive.writestr("p/data/aotinductor/model/x.wrapper_metadata.json",
+                         '{"AOTI_DEVICE_KEY": "cpu"}')
+        archive.writestr("p/data/aotinductor/model/custom_objs_config.json", "{}")
+    assert aoti.load_aligned(str(path)) == aoti.NotAligned(
+        "holds custom_objs_config.json, which torch's loader sets up")
 
 
 @torch.library.custom_op("sbtest_aoti::shift", mutates_args=())
