@@ -15,6 +15,7 @@ percent of 1.0 can hold in every round of one process and reverse in the next pr
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
 import json
 import os
@@ -92,10 +93,20 @@ def main(argv=None) -> int:
                    help="draw per-size latency of every variant: .svg, or .png (matplotlib)")
     p.add_argument("--base", default=",".join(BASE_VARIANTS),
                    help=f"comma-separated subset of {', '.join(BASE_VARIANTS)} (default all)")
+    p.add_argument("--sb-options", metavar="DICT",
+                   help="more options for the sizebackend variants, a Python dict literal "
+                        "(e.g. \"{'splitting_ops': []}\": no split)")
     p.add_argument("--processes", type=int, default=1,
                    help="run the comparison in this many fresh processes and print the "
                         "median of their sizebackend / peer ratios")
     args = p.parse_args(argv)
+    try:  # every check the backend makes, before any compile
+        extra = ast.literal_eval(args.sb_options) if args.sb_options else {}
+        sb.check_options({**extra, "compile_sizes": [1]})
+    except (ValueError, SyntaxError, TypeError) as e:
+        p.error(f"--sb-options: {e}")
+    if "compile_sizes" in extra:
+        p.error("--sb-options: compile_sizes come from --sizes")
     base = [b for b in args.base.split(",") if b]
     unknown = sorted(set(base) - set(BASE_VARIANTS))
     if unknown or not base:
@@ -116,7 +127,7 @@ def main(argv=None) -> int:
     inputs = {n: torch.randn(n, args.seq, args.dim) for n in sizes}
     marked = {n: batch_dynamic(x) for n, x in inputs.items()}
     unbacked = {n: batch_dynamic(x, unbacked=True) for n, x in inputs.items()}
-    options = {"compile_sizes": listed, "cache_dir": None}
+    options = {"cache_dir": None, **extra, "compile_sizes": listed}
     # name -> (callable, its inputs by size). Two sizebackend setups: dynamic=True, as the
     # dynamic=True baseline traces (every dim symbolic), and the batch dim alone marked
     # dynamic, the way a serving engine marks it: fewer symbols, fewer guards per call.

@@ -26,6 +26,12 @@ the schedule, so every Dynamo trace and compile happens there (as vLLM's "init e
 warms up); the variants are initialized one after the other. Then the full generation
 runs ``--repeat`` rounds, every variant once per round on a zeroed KV cache, and each
 variant's fastest run gives its throughput. No compilation happens in the timed runs.
+Then ``--passes`` replays of the first run's steps time the variants step by step in
+turn (:func:`interleaved_runs`): on a machine whose speed drifts by tens of percent from
+one run to the next, whole runs one after another compare the drift as much as the
+compilers, while a step is a few milliseconds, so every variant meets the same machine.
+The ratios of these passes are the steady ones (1-2% apart from pass to pass here,
+where fastest full runs disagree by up to 40%).
 
 ``--tp N`` runs all of it on N tensor-parallel ranks (:mod:`.tp`: the shards of
 ``models/llama_tp``, spawned here or started by torchrun); rank 0 prints.
@@ -39,6 +45,7 @@ on a quiet machine.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import json
 import logging
@@ -56,6 +63,7 @@ from ..models.llama import PRESETS, SizeLlama
 from ..models.llama_tp import check_divisible
 from .scheduler import Request, Scheduler, make_requests, plan, size_histogram
 from ..cache.package_worker import wait_for_packages
+from ..options import parse_options
 from ..stats import reset_stats, stats
 
 VARIANTS = ("eager", "dynamic", "sizebackend") + PEERS
@@ -113,6 +121,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="what compiles the pieces: 'eager' (no codegen) is for quick checks")
     p.add_argument("--repeat", type=int, default=5,
                    help="timed runs per variant; the fastest counts")
+    p.add_argument("--passes", type=int, default=5,
+                   help="after the full runs, replays of their steps with the variants taking "
+                        "each step in turn (the steadier comparison on a noisy machine); 0: none")
+    p.add_argument("--sb-options", metavar="DICT", default=None,
+                   help="more options for the sizebackend variant, a Python dict literal "
+                        "(e.g. \"{'splitting_ops': []}\"); compile_sizes and compiler come "
+                        "from --compile-sizes and --compiler")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads: 1 because OpenMP workers that spin-wait for a "
                         "busy core skew the ratios; more on a quiet machine")
@@ -158,6 +173,8 @@ class Result:
     """Wall seconds of every timed run."""
     cpu_runs: list[float] = dataclasses.field(default_factory=list)
     """Process CPU seconds of every timed run."""
+    interleaved: list[float] = dataclasses.field(default_factory=list)
+    """Seconds of the variant's steps in each interleaved pass (forward and sampling)."""
     stats: dict[str, Any] | None = None
 
     @property
@@ -187,7 +204,8 @@ def _bar(total: int, desc: str):
                 disable=not stderr_is_terminal())
 
 
-def make_variant(name: str, model: SizeLlama, compiler: str, sizes: list[int]) -> Forward:
+def make_variant(name: str, model: SizeLlama, compiler: str, sizes: list[int],
+                 extra: dict[str, Any] | None = None) -> Forward:
     """The model as variant ``name`` runs it. The compiled variants share the model's
     code object; Dynamo keeps each one's graphs apart (its cache entries record their
     backend), so all three stay live and the timed runs can interleave."""
@@ -198,7 +216,7 @@ def make_variant(name: str, model: SizeLlama, compiler: str, sizes: list[int]) -
         return torch.compile(model, backend=backend, dynamic=True)
     if name in PEERS:
         return PeerForward(name, model, sizes, compiler)
-    options = {"compile_sizes": sizes, "compiler": compiler}
+    options = {**(extra or {}), "compile_sizes": sizes, "compiler": compiler}
     return torch.compile(model, backend="sizebackend", dynamic=True, options=options)
 
 
@@ -216,20 +234,27 @@ def warm_up(forward: Forward, model: SizeLlama, w: Workload, name: str) -> float
     return time.perf_counter() - start
 
 
+Step = tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""One step's model inputs (token ids, positions, slots) and the rows it samples."""
+
+
 def generate(
-    forward: Forward, w: Workload, desc: str
+    forward: Forward, w: Workload, desc: str, record: list[Step] | None = None
 ) -> tuple[dict[int, list[int]], float, float]:
     """Run the whole workload once; returns every request's tokens and the wall and
-    process CPU seconds it took."""
+    process CPU seconds it took. ``record``: append every step's inputs to it."""
     scheduler = Scheduler(w.requests, w.max_num_seqs, w.max_num_batched_tokens)
     with _bar(sum(w.histogram.values()), desc) as bar:
         start, cpu_start = time.perf_counter(), time.process_time()
         while (step := scheduler.schedule()) is not None:
-            logits = forward(
-                torch.tensor(step.input_ids), torch.tensor(step.positions), torch.tensor(step.slots)
-            )
-            sampled = logits[torch.tensor(step.sample_indices)].argmax(dim=-1).tolist()
+            inputs = (torch.tensor(step.input_ids), torch.tensor(step.positions),
+                      torch.tensor(step.slots))
+            rows = torch.tensor(step.sample_indices)
+            logits = forward(*inputs)
+            sampled = logits[rows].argmax(dim=-1).tolist()
             scheduler.update(step, sampled)
+            if record is not None:
+                record.append((inputs, rows))
             bar.update(1)
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     return scheduler.outputs, elapsed, cpu
@@ -244,7 +269,7 @@ def zero_kv_cache(model: SizeLlama) -> None:
 
 def init_variant(name: str, model: SizeLlama, w: Workload, args, sizes: list[int]):
     """Build variant ``name`` and warm it up (its "init"); returns it and its Result."""
-    forward = make_variant(name, model, args.compiler, sizes)
+    forward = make_variant(name, model, args.compiler, sizes, args.sb_options)
     reset_stats()
     zero_kv_cache(model)
     result = Result(name, warm_up(forward, model, w, name), {})
@@ -264,15 +289,18 @@ def init_variant(name: str, model: SizeLlama, w: Workload, args, sizes: list[int
 
 def timed_runs(
     model: SizeLlama, variants: list[tuple[Forward, Result]], w: Workload, repeat: int
-) -> None:
+) -> list[Step]:
     """``repeat`` rounds, each running every variant once on a zeroed KV cache: round
     robin, so load that comes and goes on a shared machine hits every variant alike.
-    Keeps each variant's fastest run; every run must produce the same tokens."""
+    Keeps each variant's fastest run; every run must produce the same tokens. Returns
+    the steps of the first run (every run's, since their tokens are the same)."""
+    steps: list[Step] = []
     for i in range(repeat):
-        for forward, result in variants:
+        for j, (forward, result) in enumerate(variants):
             zero_kv_cache(model)
             reset_stats()  # so the sizebackend calls below count exactly one run
-            outputs, seconds, cpu = generate(forward, w, f"{result.name}: run {i + 1}/{repeat}")
+            outputs, seconds, cpu = generate(forward, w, f"{result.name}: run {i + 1}/{repeat}",
+                                             record=steps if i == j == 0 else None)
             if result.outputs and outputs != result.outputs:
                 raise RuntimeError(f"{result.name}: run {i + 1} generated other tokens than run 1")
             result.outputs = outputs
@@ -281,6 +309,32 @@ def timed_runs(
             if result.name == "sizebackend":
                 run = stats().to_dict()
                 result.stats["run"] = {"calls": run["calls"], "fallbacks": run["fallbacks"]}
+    return steps
+
+
+def interleaved_runs(
+    model: SizeLlama, variants: list[tuple[Forward, Result]], steps: list[Step], passes: int
+) -> None:
+    """``passes`` replays of the recorded ``steps`` in which every variant runs each
+    step in turn (the first variant to go rotating from step to step), timing its
+    forward and sampling: a slow stretch of the machine lasts many steps and so hits
+    every variant alike, which whole runs one after another cannot promise. The
+    variants share the KV cache; each writes the rows of a step the same way (their
+    tokens were checked equal in the full runs). Fills ``Result.interleaved``."""
+    order = list(range(len(variants)))
+    for i in range(passes):
+        zero_kv_cache(model)
+        seconds = [0.0] * len(variants)
+        with _bar(len(steps), f"interleaved pass {i + 1}/{passes}") as bar:
+            for k, (inputs, rows) in enumerate(steps):
+                shift = k % len(order)
+                for v in order[shift:] + order[:shift]:
+                    start = time.perf_counter()
+                    variants[v][0](*inputs)[rows].argmax(dim=-1).tolist()
+                    seconds[v] += time.perf_counter() - start
+                bar.update(1)
+        for (_, result), t in zip(variants, seconds):
+            result.interleaved.append(t)
 
 
 def logit_gap(model: SizeLlama, request: Request, prefix: list[int], a: int, b: int) -> float:
@@ -317,6 +371,8 @@ def figures(w: Workload, results: list[Result]) -> dict[str, dict[str, Any]]:
         row = {**r.rates(w), "init_seconds": r.init_seconds, "run_seconds": r.run_seconds,
                "all_run_seconds": r.runs, "cpu_seconds": cpu, "all_cpu_seconds": r.cpu_runs,
                "output_tokens_per_cpu_s": w.output_tokens / cpu}
+        if r.interleaved:
+            row["all_interleaved_seconds"] = r.interleaved
         for base in ("eager", "dynamic"):
             if base in by_name:
                 row[f"vs_{base}"] = by_name[base].run_seconds / r.run_seconds
@@ -326,6 +382,10 @@ def figures(w: Workload, results: list[Result]) -> dict[str, dict[str, Any]]:
                 paired = [b / a for a, b in zip(r.runs, by_name[base].runs)]
                 row[f"rounds_vs_{base}"] = paired
                 row[f"median_round_vs_{base}"] = statistics.median(paired)
+                if r.interleaved:
+                    passes = [b / a for a, b in zip(r.interleaved, by_name[base].interleaved)]
+                    row[f"passes_vs_{base}"] = passes
+                    row[f"interleaved_vs_{base}"] = statistics.median(passes)
         rows[r.name] = row
     return rows
 
@@ -385,6 +445,33 @@ def report(w: Workload, results: list[Result], rows: dict[str, dict[str, Any]]) 
     )
 
 
+def _pass_ratio(a: Result, b: Result) -> float:
+    """How much faster ``a`` ran than ``b`` in the interleaved passes: the median of the
+    per-pass ratios of their step seconds."""
+    return statistics.median(tb / ta for ta, tb in zip(a.interleaved, b.interleaved))
+
+
+def report_interleaved(w: Workload, results: list[Result], rows: dict[str, dict[str, Any]]) -> None:
+    passes = len(results[0].interleaved)
+    if not passes:
+        return
+    print(f"\ninterleaved: the same {sum(w.histogram.values())} steps again, each run by every "
+          f"variant in turn, {passes} passes (forward + sampling, the scheduler left out); "
+          f"ratios: median of the passes")
+    _table(
+        f"{'step s':>8} {'output tok/step-s':>18}",
+        {r.name: f"{statistics.median(r.interleaved):>8.3f} "
+                 f"{w.output_tokens / statistics.median(r.interleaved):>18.1f} "
+                 f"{_ratios(rows[r.name], 'interleaved_')}"
+         for r in results},
+    )
+    base = "dynamic" if "dynamic" in rows else "eager"
+    if base in rows and len(rows) > 1:
+        print(f"ratios vs {base} pass by pass (least-most): " + ", ".join(
+            f"{name} {min(row[f'passes_vs_{base}']):.3f}-{max(row[f'passes_vs_{base}']):.3f}"
+            for name, row in rows.items() if name != base))
+
+
 def report_tokens(mismatches: list[dict], num_variants: int, w: Workload) -> None:
     if not mismatches:
         print(f"\ntokens identical: yes ({num_variants} variants, {w.output_tokens} tokens each)")
@@ -414,7 +501,14 @@ def report_peers(results: list[Result], rows: dict[str, dict[str, Any]],
         best = max(peers, key=lambda n: peers[n]["output_tokens_per_s"])
         ratio = rows["sizebackend"]["output_tokens_per_s"] / peers[best]["output_tokens_per_s"]
         print(f"sizebackend / best compiled peer ({best}), output tokens/s: {ratio:.2f}x "
-              f"(target >= 1.15)")
+              f"by fastest full run (target >= 1.15)")
+        by_name = {r.name: r for r in results}
+        if by_name["sizebackend"].interleaved:
+            ratios = {n: _pass_ratio(by_name["sizebackend"], by_name[n]) for n in peers}
+            best = min(ratios, key=ratios.get)
+            rows["sizebackend"]["interleaved_vs_best_peer"] = {"peer": best, "ratio": ratios[best]}
+            print(f"sizebackend / best compiled peer ({best}), interleaved: {ratios[best]:.3f}x "
+                  f"(target >= 1.15)")
 
 
 def report_stats(result: Result, sizes: list[int]) -> None:
@@ -452,6 +546,19 @@ def _check_args(args: argparse.Namespace) -> list[str]:
     if unknown or not names:
         _parser().error(f"--variants: unknown {unknown or 'empty list'}; "
                         f"choose from {','.join(VARIANTS)}")
+    if args.passes < 0:
+        _parser().error("--passes must be 0 or more")
+    if args.sb_options is not None:
+        try:
+            extra = ast.literal_eval(args.sb_options.strip())
+            parse_options(extra)  # every check the backend makes, before any compile
+        except (ValueError, TypeError, SyntaxError) as e:
+            _parser().error(f"--sb-options: {e}")
+        taken = sorted({"compile_sizes", "compiler"} & set(extra))
+        if taken:
+            _parser().error(f"--sb-options: {', '.join(taken)} come from "
+                            f"{', '.join('--' + k.replace('_', '-') for k in taken)}")
+        args.sb_options = extra
     for flag in ("repeat", "threads", "max_num_seqs", "max_num_batched_tokens", "tp"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -527,10 +634,13 @@ def _run(args: argparse.Namespace, names: list[str]) -> int:
                 first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
                 failed[name] = f"{type(e).__name__} ({type(cause).__name__}: {first[:300]})"
                 print(f"[{name}] could not run: {failed[name]}")
-        timed_runs(model, variants, w, args.repeat)
+        steps = timed_runs(model, variants, w, args.repeat)
+        if args.passes and len(variants) > 1:
+            interleaved_runs(model, variants, steps, args.passes)
         results = [result for _, result in variants]
         rows = figures(w, results)
         report(w, results, rows)
+        report_interleaved(w, results, rows)
         # Against the first variant (eager by default), token by token.
         mismatches = [m for r in results[1:] for m in compare_tokens(model, w, results[0], r)]
     report_tokens(mismatches, len(results), w)
@@ -582,6 +692,7 @@ def _print_setup(args: argparse.Namespace, cfg, w: Workload, sizes: list[int]) -
     print("steps per T (most frequent): "
           + ", ".join(f"{t}: {n}" for t, n in _by_frequency(w.histogram)[:8]))
     listed = sum(n for t, n in w.histogram.items() if t in sizes)
+    more = f"; more options: {args.sb_options}" if args.sb_options else ""
     print(f"sizebackend compile_sizes: {sizes} "
           f"({'given' if args.compile_sizes else 'the most frequent T > 1'}); "
-          f"{listed} of {num_steps} steps at a listed size\n")
+          f"{listed} of {num_steps} steps at a listed size{more}\n")

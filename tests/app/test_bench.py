@@ -97,7 +97,8 @@ def test_bench_end_to_end(tmp_path, capsys, variants):
     threads = torch.get_num_threads()
     argv = ["--model", "tiny", "--requests", "6", "--input-len", "8", "--output-len", "6",
             "--max-num-seqs", "3", "--variants", variants, "--compiler", "eager",
-            "--repeat", "2", "--json", str(out), "--plot", str(tmp_path / "bench.svg")]
+            "--repeat", "2", "--passes", "2", "--json", str(out),
+            "--plot", str(tmp_path / "bench.svg")]
     assert bench.main(argv) == 0
     assert torch.get_num_threads() == threads  # --threads is undone on the way out
     printed = capsys.readouterr().out
@@ -118,6 +119,21 @@ def test_bench_end_to_end(tmp_path, capsys, variants):
         assert len(rounds) == 2 and row[f"rounds_vs_{base}"] == rounds
         assert row[f"median_round_vs_{base}"] == statistics.median(rounds)
     assert f"ratios vs {base} round by round" in printed
+    # Interleaved passes: each variant's step seconds per pass, pass i of the base over
+    # pass i of the variant, and their median; against the best peer where one ran.
+    base_passes = data["variants"][base]["all_interleaved_seconds"]
+    for name, row in data["variants"].items():
+        assert len(row["all_interleaved_seconds"]) == 2 and min(row["all_interleaved_seconds"]) > 0
+        passes = [b / a for a, b in zip(row["all_interleaved_seconds"], base_passes)]
+        assert row[f"passes_vs_{base}"] == passes
+        assert row[f"interleaved_vs_{base}"] == statistics.median(passes)
+    assert "interleaved: the same" in printed and f"ratios vs {base} pass by pass" in printed
+    best = data["variants"]["sizebackend"].get("interleaved_vs_best_peer")
+    if "dynamic" in variants:
+        assert best["peer"] in ("dynamic", "specialize") and best["ratio"] > 0
+        assert "sizebackend / best compiled peer" in printed and "interleaved:" in printed
+    else:
+        assert best is None
     # The picture: one bar per variant in each panel (tokens/s, init s), each bar's
     # tooltip the figure the JSON holds.
     svg = ElementTree.parse(tmp_path / "bench.svg").getroot()
@@ -171,3 +187,51 @@ def test_a_real_mismatch_is_not_a_tie():
         mismatches = bench.compare_tokens(model, w, reference, bench.Result("other", 0.0, wrong))
     assert [(m["request"], m["index"]) for m in mismatches] == [(1, 1)]
     assert mismatches[0]["logit_gap"] > bench.TIE_TOLERANCE and not mismatches[0]["tie"]
+
+
+def test_interleaved_passes_run_every_variant_on_every_step_in_turn():
+    model = build_model("tiny")
+    model.allocate_kv_cache(2, 8)
+    calls = []
+
+    def variant(name):
+        def forward(ids, positions, slots):
+            calls.append((name, int(ids[0])))
+            return torch.zeros(len(ids), 4)
+        return forward
+
+    variants = [(variant(n), bench.Result(n, 0.0, {})) for n in ("a", "b", "c")]
+    steps = [((torch.tensor([k, k]), torch.tensor([0, 1]), torch.tensor([0, 0])),
+              torch.tensor([1])) for k in range(4)]
+    bench.interleaved_runs(model, variants, steps, passes=2)
+    # Every step by every variant, the first to go rotating from step to step.
+    orders = ["abc", "bca", "cab", "abc"]
+    assert calls == [(n, k) for k in range(4) for n in orders[k]] * 2
+    assert all(len(r.interleaved) == 2 and min(r.interleaved) > 0 for _, r in variants)
+
+
+@pytest.mark.parametrize("given, message", [
+    ("{'compile_sizes': [2]}", "compile_sizes come from --compile-sizes"),
+    ("{'splitting_op': []}", "did you mean 'splitting_ops'"),
+    ("[1, 2]", "must be a dict"),
+    ("{'strict': 'yes'}", "strict"),
+])
+def test_sb_options_are_checked_before_anything_runs(capsys, given, message):
+    with pytest.raises(SystemExit):
+        bench.main(["--sb-options", given])
+    assert message in capsys.readouterr().err
+
+
+def test_sb_options_reach_the_backend(tmp_path):
+    out = tmp_path / "bench.json"
+    argv = ["--model", "tiny", "--requests", "4", "--input-len", "8", "--output-len", "4",
+            "--max-num-seqs", "2", "--variants", "eager,sizebackend", "--compiler", "eager",
+            "--repeat", "1", "--passes", "0", "--json", str(out),
+            "--sb-options", "{'splitting_ops': []}"]
+    assert bench.main(argv) == 0
+    data = json.loads(out.read_text())
+    init = data["sizebackend_stats"]["init"]
+    # Nothing to split at: each graph is one piece.
+    assert init["splits"] == 0 and init["pieces"] == init["graphs"] >= 1
+    assert data["config"]["sb_options"] == {"splitting_ops": []}
+    assert "all_interleaved_seconds" not in data["variants"]["sizebackend"]
