@@ -27,6 +27,7 @@ run says why under "failed" (as ``sizebackend bench`` does), rather than being l
 from __future__ import annotations
 
 import argparse
+import ast
 import copy
 import functools
 import json
@@ -77,7 +78,8 @@ def prompt(batch: int, length: int) -> dict:
 class Variant:
     """One way of running ``model.generate()``; :meth:`generate` returns the tokens."""
 
-    def __init__(self, name: str, model, sizes: list[int], compiler: str, new_tokens: int):
+    def __init__(self, name: str, model, sizes: list[int], compiler: str, new_tokens: int,
+                 extra: dict | None = None):
         self.name, self.model, self.new_tokens = name, model, new_tokens
         self.tuned = name == "dynamic-tuned" and compiler == "inductor"
         self.autotuned: dict[str, int] = {}
@@ -88,7 +90,7 @@ class Variant:
             self._time_forward(model.forward)
             return
         if name in BACKEND:
-            options = {"compile_sizes": sizes}
+            options = {**(extra or {}), "compile_sizes": sizes}
             if compiler == "eager":
                 options["compiler"] = "eager"
             if name == "sizebackend":
@@ -131,7 +133,7 @@ class Variant:
             return self._generate(inputs, warming)
         finally:
             after = sb.stats().to_dict()
-            for key in ("graphs", "compiles", "calls", "fallbacks"):
+            for key in ("graphs", "pieces", "splits", "compiles", "calls", "fallbacks"):
                 self.stats[key] = _add(self.stats.get(key), before[key], after[key])
 
     def _generate(self, inputs: dict, warming: bool) -> torch.Tensor:
@@ -179,7 +181,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compiler", choices=("inductor", "eager"), default="inductor",
                         help="eager: Dynamo without codegen (a logic check, not a benchmark)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--sb-options", metavar="DICT",
+                        help="more options for the sizebackend variants, a Python dict literal "
+                             "(e.g. \"{'splitting_ops': []}\": no split)")
     args = parser.parse_args(argv)
+    try:  # every check the backend makes, before any compile
+        extra = ast.literal_eval(args.sb_options) if args.sb_options else {}
+        sb.check_options({**extra, "compile_sizes": [1]})
+    except (ValueError, SyntaxError, TypeError) as e:
+        parser.error(f"--sb-options: {e}")
+    if "compile_sizes" in extra or "cudagraphs" in extra:
+        parser.error("--sb-options: compile_sizes come from --batches; cudagraphs is off")
     names = args.variants.split(",")
     unknown = sorted(set(names) - set(VARIANTS))
     if unknown:
@@ -207,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         for name in names:
             try:
-                v = Variant(name, copy.deepcopy(base), batches, args.compiler, args.new_tokens)
+                v = Variant(name, copy.deepcopy(base), batches, args.compiler, args.new_tokens,
+                            extra)
                 start = time.perf_counter()
                 outs = {b: v.generate(inputs[b], warming=True) for b in batches}
                 init[name] = time.perf_counter() - start

@@ -26,10 +26,11 @@ the schedule, so every Dynamo trace and compile happens there (as vLLM's "init e
 warms up); the variants are initialized one after the other. Then the full generation
 runs ``--repeat`` rounds, every variant once per round on a zeroed KV cache, and each
 variant's fastest run gives its throughput. No compilation happens in the timed runs.
-Then ``--passes`` replays of the first run's steps time the variants step by step in
-turn (:func:`interleaved_runs`): on a machine whose speed drifts by tens of percent from
+Then ``--passes`` replays of the first run's steps time the variants a chunk of steps
+at a time, in turn (:func:`interleaved_runs`): on a machine whose speed drifts by tens of percent from
 one run to the next, whole runs one after another compare the drift as much as the
-compilers, while a step is a few milliseconds, so every variant meets the same machine.
+compilers, while a chunk is tens of milliseconds, so every variant meets the same
+machine.
 The ratios of these passes are the steady ones (1-2% apart from pass to pass here,
 where fastest full runs disagree by up to 40%).
 
@@ -312,27 +313,39 @@ def timed_runs(
     return steps
 
 
+#: Steps a variant runs in a row in an interleaved pass: enough that its weights are in
+#: the caches again after the other variants ran (one step each in turn left the
+#: variants cold: eager came out at 0.75x `dynamic=True` that way, 0.64x in full runs),
+#: few enough (tens of milliseconds) that the machine's drift hits every variant alike.
+CHUNK_STEPS = 16
+
+
 def interleaved_runs(
     model: SizeLlama, variants: list[tuple[Forward, Result]], steps: list[Step], passes: int
 ) -> None:
     """``passes`` replays of the recorded ``steps`` in which every variant runs each
-    step in turn (the first variant to go rotating from step to step), timing its
-    forward and sampling: a slow stretch of the machine lasts many steps and so hits
-    every variant alike, which whole runs one after another cannot promise. The
-    variants share the KV cache; each writes the rows of a step the same way (their
-    tokens were checked equal in the full runs). Fills ``Result.interleaved``."""
+    chunk of :data:`CHUNK_STEPS` steps in turn (the first variant to go rotating from
+    chunk to chunk), timing its forwards and sampling: a slow stretch of the machine
+    lasts many chunks and so hits every variant alike, which whole runs one after
+    another cannot promise. The variants share the KV cache, so a variant may read rows
+    that one before it wrote for a later step of the chunk (a slot the next request
+    took over): the work of a step does not depend on the values it reads, and the
+    tokens were checked in the full runs. Fills ``Result.interleaved``."""
     order = list(range(len(variants)))
+    chunks = [steps[k:k + CHUNK_STEPS] for k in range(0, len(steps), CHUNK_STEPS)]
     for i in range(passes):
         zero_kv_cache(model)
         seconds = [0.0] * len(variants)
         with _bar(len(steps), f"interleaved pass {i + 1}/{passes}") as bar:
-            for k, (inputs, rows) in enumerate(steps):
+            for k, chunk in enumerate(chunks):
                 shift = k % len(order)
                 for v in order[shift:] + order[:shift]:
+                    forward = variants[v][0]
                     start = time.perf_counter()
-                    variants[v][0](*inputs)[rows].argmax(dim=-1).tolist()
+                    for inputs, rows in chunk:
+                        forward(*inputs)[rows].argmax(dim=-1).tolist()
                     seconds[v] += time.perf_counter() - start
-                bar.update(1)
+                bar.update(len(chunk))
         for (_, result), t in zip(variants, seconds):
             result.interleaved.append(t)
 
@@ -455,8 +468,9 @@ def report_interleaved(w: Workload, results: list[Result], rows: dict[str, dict[
     passes = len(results[0].interleaved)
     if not passes:
         return
-    print(f"\ninterleaved: the same {sum(w.histogram.values())} steps again, each run by every "
-          f"variant in turn, {passes} passes (forward + sampling, the scheduler left out); "
+    print(f"\ninterleaved: the same {sum(w.histogram.values())} steps again, every "
+          f"{CHUNK_STEPS} run by each variant in turn, {passes} passes (forward + sampling, "
+          f"the scheduler left out); "
           f"ratios: median of the passes")
     _table(
         f"{'step s':>8} {'output tok/step-s':>18}",

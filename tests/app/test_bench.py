@@ -189,7 +189,8 @@ def test_a_real_mismatch_is_not_a_tie():
     assert mismatches[0]["logit_gap"] > bench.TIE_TOLERANCE and not mismatches[0]["tie"]
 
 
-def test_interleaved_passes_run_every_variant_on_every_step_in_turn():
+def test_interleaved_passes_run_every_variant_on_every_chunk_in_turn(monkeypatch):
+    monkeypatch.setattr(bench, "CHUNK_STEPS", 2)
     model = build_model("tiny")
     model.allocate_kv_cache(2, 8)
     calls = []
@@ -204,9 +205,9 @@ def test_interleaved_passes_run_every_variant_on_every_step_in_turn():
     steps = [((torch.tensor([k, k]), torch.tensor([0, 1]), torch.tensor([0, 0])),
               torch.tensor([1])) for k in range(4)]
     bench.interleaved_runs(model, variants, steps, passes=2)
-    # Every step by every variant, the first to go rotating from step to step.
-    orders = ["abc", "bca", "cab", "abc"]
-    assert calls == [(n, k) for k in range(4) for n in orders[k]] * 2
+    # Every chunk of steps by every variant, the first to go rotating from chunk to chunk.
+    chunks = [("abc", (0, 1)), ("bca", (2, 3))]
+    assert calls == [(n, k) for order, ks in chunks for n in order for k in ks] * 2
     assert all(len(r.interleaved) == 2 and min(r.interleaved) > 0 for _, r in variants)
 
 

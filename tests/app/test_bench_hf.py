@@ -43,3 +43,27 @@ def test_bench_hf_runs_every_variant_with_equal_tokens(tmp_path):
     assert result["evidence"]["sizebackend-unbacked"]["graphs"] == 2
     assert result["evidence"]["sizebackend-unbacked"]["calls"]["1"] == 2 * 3
     assert "sizebackend" in done.stdout and "tokens" in done.stdout
+
+
+def _run(tmp_path, *argv):
+    return subprocess.run(
+        [sys.executable, os.path.join(REPO, "benchmarks", "bench_hf.py"), "--compiler", "eager",
+         "--layers", "2", "--hidden", "64", "--batches", "1,2", "--prompt", "4",
+         "--new-tokens", "3", "--repeat", "1", *argv],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+                 SIZEBACKEND_CACHE_DIR="none"))
+
+
+def test_bench_hf_passes_sb_options_to_the_backend(tmp_path):
+    out = tmp_path / "hf.json"
+    done = _run(tmp_path, "--variants", "eager,sizebackend", "--json", str(out),
+                "--sb-options", "{'splitting_ops': []}")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert all(result["tokens_equal"].values())
+    evidence = result["evidence"]["sizebackend"]
+    # Nothing split: one piece per graph where the default splits 2 layers' attention.
+    assert (evidence["graphs"], evidence["pieces"], evidence["splits"]) == (4, 4, 0)
+    bad = _run(tmp_path, "--sb-options", "{'compile_sizes': [3]}")
+    assert bad.returncode == 2 and "compile_sizes come from --batches" in bad.stderr
