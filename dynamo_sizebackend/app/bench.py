@@ -26,13 +26,13 @@ the schedule, so every Dynamo trace and compile happens there (as vLLM's "init e
 warms up); the variants are initialized one after the other. Then the full generation
 runs ``--repeat`` rounds, every variant once per round on a zeroed KV cache, and each
 variant's fastest run gives its throughput. No compilation happens in the timed runs.
-Then ``--passes`` replays of the first run's steps time the variants a chunk of steps
-at a time, in turn (:func:`interleaved_runs`): on a machine whose speed drifts by tens of percent from
+Then ``--passes`` replays of the first run's steps time the variants step by step, in
+turn (:func:`interleaved_runs`): on a machine whose speed drifts by tens of percent from
 one run to the next, whole runs one after another compare the drift as much as the
-compilers, while a chunk is tens of milliseconds, so every variant meets the same
-machine.
-The ratios of these passes are the steady ones (1-2% apart from pass to pass here,
-where fastest full runs disagree by up to 40%).
+compilers, while a step is a few milliseconds, so every variant meets the same machine.
+Within a process these ratios are the steady ones (3-5% apart from pass to pass here,
+where fastest full runs disagree by up to 40%); between processes the same code still
+moves by 10-20% (see the README: one process is one sample).
 
 ``--tp N`` runs all of it on N tensor-parallel ranks (:mod:`.tp`: the shards of
 ``models/llama_tp``, spawned here or started by torchrun); rank 0 prints.
@@ -313,11 +313,12 @@ def timed_runs(
     return steps
 
 
-#: Steps a variant runs in a row in an interleaved pass: enough that its weights are in
-#: the caches again after the other variants ran (one step each in turn left the
-#: variants cold: eager came out at 0.75x `dynamic=True` that way, 0.64x in full runs),
-#: few enough (tens of milliseconds) that the machine's drift hits every variant alike.
-CHUNK_STEPS = 16
+#: Steps a variant runs per turn in an interleaved pass. Measured (default command,
+#: one process per length): sizebackend / `dynamic=True` spread over the 5 passes by
+#: 3-5% at 1 step per turn, 9% at 16 and 23% at 64 steps (the machine's drift gets
+#: inside the longer turns); eager / `dynamic=True` came out at 0.75-0.77 at every
+#: length (0.64-0.76 in the full runs, whose scheduler time the passes leave out).
+CHUNK_STEPS = 1
 
 
 def interleaved_runs(
@@ -468,10 +469,10 @@ def report_interleaved(w: Workload, results: list[Result], rows: dict[str, dict[
     passes = len(results[0].interleaved)
     if not passes:
         return
-    print(f"\ninterleaved: the same {sum(w.histogram.values())} steps again, every "
-          f"{CHUNK_STEPS} run by each variant in turn, {passes} passes (forward + sampling, "
-          f"the scheduler left out); "
-          f"ratios: median of the passes")
+    turn = "each step" if CHUNK_STEPS == 1 else f"every {CHUNK_STEPS} steps"
+    print(f"\ninterleaved: the same {sum(w.histogram.values())} steps again, {turn} run by "
+          f"each variant in turn, {passes} passes (forward + sampling, the scheduler left "
+          f"out); ratios: median of the passes")
     _table(
         f"{'step s':>8} {'output tok/step-s':>18}",
         {r.name: f"{statistics.median(r.interleaved):>8.3f} "

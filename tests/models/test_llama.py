@@ -203,3 +203,33 @@ def test_compile_inductor_matches_eager():
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
     # The op wrote the module's buffers in place, not functional copies of them.
     assert_caches_equal(model, expected_model, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.inductor
+@torch.no_grad()
+def test_unsplit_graph_serves_the_kv_cache_model_with_the_real_defaults(real_defaults, tmp_path):
+    """``splitting_ops=[]`` (what the README suggests on a CPU without CUDA graphs): the
+    attention op and its in-place KV-cache write inside each compiled graph, the sized
+    one frozen and tuned (the user's defaults) and stored as a package that calls the
+    op back; the same logits and caches as eager, cold and after a restart."""
+    import dynamo_sizebackend as sb
+    from dynamo_sizebackend.cache import store
+
+    from ..nets import compile_sb
+
+    steps = serving_steps(config("tiny").vocab_size)[:3]  # T = 8, 4, 3: size 4 listed
+    options = {"compile_sizes": [4], "splitting_ops": [], "cache_dir": str(tmp_path / "cache"),
+               "store_frozen": "inline"}
+    counts = [{"compiles": {"dynamic": 1, 4: 1}, "cache_hits": 0},
+              {"compiles": {}, "cache_hits": 2}]  # cold, then a restart
+    for expect in counts:
+        torch._dynamo.reset()
+        store.forget_shared()
+        model, expected_model = fresh(), fresh()
+        with sb.expect(graphs=1, pieces=1, splits=0, fallbacks={}, calls={"dynamic": 2, 4: 1},
+                       **expect):
+            compiled = compile_sb(model, **options)
+            got = run(compiled, steps)
+        for logits, expected in zip(got, run(expected_model, steps), strict=True):
+            torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+        assert_caches_equal(model, expected_model, atol=1e-5, rtol=1e-5)
