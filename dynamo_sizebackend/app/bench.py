@@ -14,6 +14,8 @@ The variants run one after the other in this process, on the same model and work
 - ``sizebackend``: ``torch.compile(model, backend="sizebackend", dynamic=True,
   options={"compile_sizes": ...})``; by default the sizes are the ``T`` the schedule
   produces most, known up front because the schedule is deterministic (a dry run);
+- ``sizebackend-unsplit`` (not in the default set): the same with ``splitting_ops=[]``,
+  nothing split, so that one process compares the two;
 - the peers a user would pick instead (:mod:`.peers`): ``specialize`` (torch's own
   ``specialize_on`` per listed size, in the default set), ``specialize-tuned`` and
   ``dynamic-tuned`` (the same tuning as the sized pieces: frozen weights +
@@ -67,7 +69,13 @@ from ..cache.package_worker import wait_for_packages
 from ..options import parse_options
 from ..stats import reset_stats, stats
 
-VARIANTS = ("eager", "dynamic", "sizebackend") + PEERS
+#: sizebackend as the bench runs it (``--sb-options`` adds to both): with its defaults,
+#: and with nothing split (``splitting_ops=[]``: one piece per graph, the attention
+#: op inside it), which on a CPU without CUDA graphs trades compile reuse across
+#: layers for fewer calls per step (see the README's "Two commands").
+SB_VARIANTS: dict[str, dict[str, Any]] = {"sizebackend": {},
+                                          "sizebackend-unsplit": {"splitting_ops": []}}
+VARIANTS = ("eager", "dynamic") + tuple(SB_VARIANTS) + PEERS
 #: What ``--variants`` runs by default (``all``: every one of :data:`VARIANTS`; the tuned
 #: peers add minutes of autotuning each).
 DEFAULT_VARIANTS = ("eager", "dynamic", "sizebackend", "specialize")
@@ -217,7 +225,8 @@ def make_variant(name: str, model: SizeLlama, compiler: str, sizes: list[int],
         return torch.compile(model, backend=backend, dynamic=True)
     if name in PEERS:
         return PeerForward(name, model, sizes, compiler)
-    options = {**(extra or {}), "compile_sizes": sizes, "compiler": compiler}
+    options = {**(extra or {}), **SB_VARIANTS[name], "compile_sizes": sizes,
+               "compiler": compiler}
     return torch.compile(model, backend="sizebackend", dynamic=True, options=options)
 
 
@@ -277,7 +286,7 @@ def init_variant(name: str, model: SizeLlama, w: Workload, args, sizes: list[int
     if isinstance(forward, PeerForward):
         forward.warming = False
         result.stats = {"peer": forward.evidence()}
-    if name == "sizebackend":
+    if name in SB_VARIANTS:
         result.stats = {"init": stats().to_dict()}
         # The package worker stores the frozen sized pieces for the next start; wait
         # for it here, so that its builds never share the cores with a timed run.
@@ -307,7 +316,7 @@ def timed_runs(
             result.outputs = outputs
             result.runs.append(seconds)
             result.cpu_runs.append(cpu)
-            if result.name == "sizebackend":
+            if result.name in SB_VARIANTS:
                 run = stats().to_dict()
                 result.stats["run"] = {"calls": run["calls"], "fallbacks": run["fallbacks"]}
     return steps
@@ -512,35 +521,35 @@ def report_peers(results: list[Result], rows: dict[str, dict[str, Any]],
     for name, why in failed.items():
         print(f"[{name}] not run: {why}")
     peers = {n: row for n, row in rows.items() if n == "dynamic" or n in PEERS}
-    if "sizebackend" in rows and peers:
+    by_name = {r.name: r for r in results}
+    for ours in (n for n in SB_VARIANTS if n in rows and peers):
         best = max(peers, key=lambda n: peers[n]["output_tokens_per_s"])
-        ratio = rows["sizebackend"]["output_tokens_per_s"] / peers[best]["output_tokens_per_s"]
-        print(f"sizebackend / best compiled peer ({best}), output tokens/s: {ratio:.2f}x "
+        ratio = rows[ours]["output_tokens_per_s"] / peers[best]["output_tokens_per_s"]
+        print(f"{ours} / best compiled peer ({best}), output tokens/s: {ratio:.2f}x "
               f"by fastest full run (target >= 1.15)")
-        by_name = {r.name: r for r in results}
-        if by_name["sizebackend"].interleaved:
-            ratios = {n: _pass_ratio(by_name["sizebackend"], by_name[n]) for n in peers}
+        if by_name[ours].interleaved:
+            ratios = {n: _pass_ratio(by_name[ours], by_name[n]) for n in peers}
             best = min(ratios, key=ratios.get)
-            rows["sizebackend"]["interleaved_vs_best_peer"] = {"peer": best, "ratio": ratios[best]}
-            print(f"sizebackend / best compiled peer ({best}), interleaved: {ratios[best]:.3f}x "
+            rows[ours]["interleaved_vs_best_peer"] = {"peer": best, "ratio": ratios[best]}
+            print(f"{ours} / best compiled peer ({best}), interleaved: {ratios[best]:.3f}x "
                   f"(target >= 1.15)")
 
 
 def report_stats(result: Result, sizes: list[int]) -> None:
     init, run = result.stats["init"], result.stats["run"]
     calls = sorted(run["calls"].items(), key=lambda kv: -kv[1])
-    print("sizebackend calls in one run, by the pieces they ran: "
+    print(f"{result.name} calls in one run, by the pieces they ran: "
           + ", ".join(f"{key}: {n}" for key, n in calls))
     static = [key for key, _ in calls if key != "dynamic" and int(key) not in sizes]
     if static:  # Dynamo gives T=1 a graph of its own, whatever dynamic=True says
         print(f"  ({', '.join(static)}: graphs Dynamo traced for that T alone; "
               f"'dynamic': the general pieces)")
-    print(f"sizebackend init: {init['graphs']} graphs, {init['pieces']} pieces, compiles "
+    print(f"{result.name} init: {init['graphs']} graphs, {init['pieces']} pieces, compiles "
           f"{init['compiles']}, cache hits {init['cache_hits']}, reused {init['reused']}, "
           f"fallbacks {init['fallbacks'] or 0}, {init['compile_seconds']:.1f} s compiling")
     packages = result.stats.get("packages")
     if packages and packages["stored"] + packages["present"] + packages["failed"]:
-        print(f"sizebackend packages for the next start (worker process): {packages['stored']} "
+        print(f"{result.name} packages for the next start (worker process): {packages['stored']} "
               f"stored, {packages['failed']} failed; {packages['wait_s']:.1f} s waited after init")
 
 
@@ -659,10 +668,12 @@ def _run(args: argparse.Namespace, names: list[str]) -> int:
         # Against the first variant (eager by default), token by token.
         mismatches = [m for r in results[1:] for m in compare_tokens(model, w, results[0], r)]
     report_tokens(mismatches, len(results), w)
-    sb_result = next((r for r in results if r.name == "sizebackend"), None)
-    if sb_result is not None:
-        report_stats(sb_result, sizes)
-    tp.report_agreement(sb_result.stats if sb_result is not None else None)
+    sb_results = {r.name: r for r in results if r.name in SB_VARIANTS}
+    for result in sb_results.values():
+        report_stats(result, sizes)
+    sb_result = sb_results.get("sizebackend")
+    for result in sb_results.values():
+        tp.report_agreement(result.stats)
     report_peers(results, rows, failed)
 
     if args.plot:
@@ -685,6 +696,8 @@ def _run(args: argparse.Namespace, names: list[str]) -> int:
             "tokens_identical": not mismatches,
             "token_mismatches": mismatches,
             "sizebackend_stats": sb_result.stats if sb_result is not None else None,
+            **({"sizebackend_unsplit_stats": sb_results["sizebackend-unsplit"].stats}
+               if "sizebackend-unsplit" in sb_results else {}),
         }
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=2)

@@ -223,7 +223,7 @@ def test_sb_options_are_checked_before_anything_runs(capsys, given, message):
     assert message in capsys.readouterr().err
 
 
-def test_sb_options_reach_the_backend(tmp_path):
+def test_sb_options_reach_the_backend(tmp_path, capsys):
     out = tmp_path / "bench.json"
     argv = ["--model", "tiny", "--requests", "4", "--input-len", "8", "--output-len", "4",
             "--max-num-seqs", "2", "--variants", "eager,sizebackend", "--compiler", "eager",
@@ -236,3 +236,24 @@ def test_sb_options_reach_the_backend(tmp_path):
     assert init["splits"] == 0 and init["pieces"] == init["graphs"] >= 1
     assert data["config"]["sb_options"] == {"splitting_ops": []}
     assert "all_interleaved_seconds" not in data["variants"]["sizebackend"]
+    assert "more options: {'splitting_ops': []}" in capsys.readouterr().out
+
+
+def test_split_and_unsplit_sizebackend_in_one_run(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["--model", "tiny", "--requests", "4", "--input-len", "8", "--output-len", "4",
+            "--max-num-seqs", "2", "--variants", "dynamic,sizebackend,sizebackend-unsplit",
+            "--compiler", "eager", "--repeat", "1", "--passes", "1", "--json", str(out)]
+    assert bench.main(argv) == 0
+    data = json.loads(out.read_text())
+    split, unsplit = data["sizebackend_stats"], data["sizebackend_unsplit_stats"]
+    # Each counted apart: the default splits each graph at the tiny model's 2 layers.
+    assert split["init"]["pieces"] == 3 * split["init"]["graphs"] and split["init"]["splits"] > 0
+    assert unsplit["init"]["pieces"] == unsplit["init"]["graphs"] and unsplit["init"]["splits"] == 0
+    assert sum(split["run"]["calls"].values()) == sum(unsplit["run"]["calls"].values()) \
+        == data["schedule"]["steps"]
+    printed = capsys.readouterr().out
+    for name in ("sizebackend", "sizebackend-unsplit"):
+        assert f"{name} calls in one run" in printed
+        assert f"{name} / best compiled peer (dynamic), interleaved" in printed
+        assert data["variants"][name]["interleaved_vs_best_peer"]["peer"] == "dynamic"
