@@ -421,10 +421,11 @@ def _ratios(row: dict[str, Any], prefix: str = "") -> str:
 
 def _table(columns: str, lines: dict[str, str]) -> None:
     """A variant column, ``columns``, the two ratio columns, a rule, one line per variant."""
-    head = f"{'variant':<12} {columns} {'vs eager':>9} {'vs dynamic':>10}"
+    width = max([12, *map(len, lines)])
+    head = f"{'variant':<{width}} {columns} {'vs eager':>9} {'vs dynamic':>10}"
     print(f"{head}\n{'-' * len(head)}")
     for name, line in lines.items():
-        print(f"{name:<12} {line}")
+        print(f"{name:<{width}} {line}")
 
 
 def report(w: Workload, results: list[Result], rows: dict[str, dict[str, Any]]) -> None:
