@@ -76,6 +76,7 @@ from ..stats import reset_stats, stats
 SB_VARIANTS: dict[str, dict[str, Any]] = {"sizebackend": {},
                                           "sizebackend-unsplit": {"splitting_ops": []}}
 VARIANTS = ("eager", "dynamic") + tuple(SB_VARIANTS) + PEERS
+log = logging.getLogger(__name__)
 #: What ``--variants`` runs by default (``all``: every one of :data:`VARIANTS`; the tuned
 #: peers add minutes of autotuning each).
 DEFAULT_VARIANTS = ("eager", "dynamic", "sizebackend", "specialize")
@@ -659,6 +660,8 @@ def _run(args: argparse.Namespace, names: list[str]) -> int:
                 first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
                 failed[name] = f"{type(e).__name__} ({type(cause).__name__}: {first[:300]})"
                 print(f"[{name}] could not run: {failed[name]}")
+                # The whole story on stderr, so that a failure seen once can be looked into.
+                log.warning("%s could not run", name, exc_info=True)
         steps = timed_runs(model, variants, w, args.repeat)
         if args.passes and len(variants) > 1:
             interleaved_runs(model, variants, steps, args.passes)

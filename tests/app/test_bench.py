@@ -257,3 +257,28 @@ def test_split_and_unsplit_sizebackend_in_one_run(tmp_path, capsys):
         assert f"{name} calls in one run" in printed
         assert f"{name} / best compiled peer (dynamic), interleaved" in printed
         assert data["variants"][name]["interleaved_vs_best_peer"]["peer"] == "dynamic"
+
+
+def test_a_peer_that_cannot_run_is_reported_with_its_traceback(tmp_path, capsys, caplog,
+                                                               monkeypatch):
+    make = bench.make_variant
+
+    def failing(name, *args, **kwargs):
+        if name == "specialize":
+            raise AttributeError("'NoneType' object has no attribute 'f_code'")
+        return make(name, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "make_variant", failing)
+    out = tmp_path / "bench.json"
+    argv = ["--model", "tiny", "--requests", "4", "--input-len", "8", "--output-len", "4",
+            "--max-num-seqs", "2", "--variants", "dynamic,specialize,sizebackend",
+            "--compiler", "eager", "--repeat", "1", "--passes", "1", "--json", str(out)]
+    assert bench.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert set(data["variants"]) == {"dynamic", "sizebackend"}
+    assert data["failed_variants"] == {
+        "specialize": "AttributeError (AttributeError: 'NoneType' object has no attribute "
+                      "'f_code')"}
+    assert "[specialize] not run: AttributeError" in capsys.readouterr().out
+    (record,) = [r for r in caplog.records if r.getMessage() == "specialize could not run"]
+    assert record.exc_info and "in failing" in caplog.text
