@@ -189,6 +189,13 @@ def test_a_real_mismatch_is_not_a_tie():
     assert mismatches[0]["logit_gap"] > bench.TIE_TOLERANCE and not mismatches[0]["tie"]
 
 
+def _small_run(tmp_path, variants: str, *more: str) -> list[str]:
+    """argv of a quick run on the tiny model (Dynamo without codegen), JSON to bench.json."""
+    return ["--model", "tiny", "--requests", "4", "--input-len", "8", "--output-len", "4",
+            "--max-num-seqs", "2", "--variants", variants, "--compiler", "eager",
+            "--repeat", "1", "--json", str(tmp_path / "bench.json"), *more]
+
+
 def test_interleaved_passes_run_every_variant_on_every_chunk_in_turn(monkeypatch):
     monkeypatch.setattr(bench, "CHUNK_STEPS", 2)
     model = build_model("tiny")
@@ -225,10 +232,8 @@ def test_sb_options_are_checked_before_anything_runs(capsys, given, message):
 
 def test_sb_options_reach_the_backend(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    argv = ["--model", "tiny", "--requests", "4", "--input-len", "8", "--output-len", "4",
-            "--max-num-seqs", "2", "--variants", "eager,sizebackend", "--compiler", "eager",
-            "--repeat", "1", "--passes", "0", "--json", str(out),
-            "--sb-options", "{'splitting_ops': []}"]
+    argv = _small_run(tmp_path, "eager,sizebackend", "--passes", "0",
+                      "--sb-options", "{'splitting_ops': []}")
     assert bench.main(argv) == 0
     data = json.loads(out.read_text())
     init = data["sizebackend_stats"]["init"]
@@ -241,9 +246,7 @@ def test_sb_options_reach_the_backend(tmp_path, capsys):
 
 def test_split_and_unsplit_sizebackend_in_one_run(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    argv = ["--model", "tiny", "--requests", "4", "--input-len", "8", "--output-len", "4",
-            "--max-num-seqs", "2", "--variants", "dynamic,sizebackend,sizebackend-unsplit",
-            "--compiler", "eager", "--repeat", "1", "--passes", "1", "--json", str(out)]
+    argv = _small_run(tmp_path, "dynamic,sizebackend,sizebackend-unsplit", "--passes", "1")
     assert bench.main(argv) == 0
     data = json.loads(out.read_text())
     split, unsplit = data["sizebackend_stats"], data["sizebackend_unsplit_stats"]
@@ -270,9 +273,7 @@ def test_a_peer_that_cannot_run_is_reported_with_its_traceback(tmp_path, capsys,
 
     monkeypatch.setattr(bench, "make_variant", failing)
     out = tmp_path / "bench.json"
-    argv = ["--model", "tiny", "--requests", "4", "--input-len", "8", "--output-len", "4",
-            "--max-num-seqs", "2", "--variants", "dynamic,specialize,sizebackend",
-            "--compiler", "eager", "--repeat", "1", "--passes", "1", "--json", str(out)]
+    argv = _small_run(tmp_path, "dynamic,specialize,sizebackend", "--passes", "1")
     assert bench.main(argv) == 0
     data = json.loads(out.read_text())
     assert set(data["variants"]) == {"dynamic", "sizebackend"}

@@ -205,27 +205,29 @@ def test_onednn_packed_constants_get_aligned_clones(tmp_path):
     assert len(ours) == len(theirs) >= 1 and all(torch.equal(a, b) for a, b in zip(ours, theirs))
 
 
+def _fake_package(path, device: str, *more: str) -> str:
+    """A package's layout (library, source, metadata naming ``device``, ``more`` files)
+    with nothing real inside: what is decided before anything loads."""
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("p/data/aotinductor/model/x.wrapper.so", b"\x7fELF")
+        archive.writestr("p/data/aotinductor/model/x.wrapper.cpp", "")
+        archive.writestr("p/data/aotinductor/model/x.wrapper_metadata.json",
+                         f'{{"AOTI_DEVICE_KEY": "{device}"}}')
+        for name in more:
+            archive.writestr(f"p/data/aotinductor/model/{name}", "{}")
+    return str(path)
+
+
 def test_a_package_for_another_device_is_left_to_torch_uncounted(tmp_path):
     # The layout of a GPU package whose kernels are embedded in its library: only its
     # metadata says it is not for the CPU. Nothing is loaded or counted.
-    path = tmp_path / "gpu.pt2"
-    with zipfile.ZipFile(path, "w") as archive:
-        archive.writestr("p/data/aotinductor/model/x.wrapper.so", b"\x7fELF")
-        archive.writestr("p/data/aotinductor/model/x.wrapper.cpp", "")
-        archive.writestr("p/data/aotinductor/model/x.wrapper_metadata.json",
-                         '{"AOTI_DEVICE_KEY": "cuda"}')
-    assert aoti.load_aligned(str(path)) == aoti.NotAligned("not one CPU library")
+    path = _fake_package(tmp_path / "gpu.pt2", "cuda")
+    assert aoti.load_aligned(path) == aoti.NotAligned("not one CPU library")
     assert aoti.load_aligned(str(tmp_path / "missing.pt2")).counted is False
     # A CPU package with a file only torch's loader knows how to set up (a TorchBind
     # object's): left to it, uncounted, before anything is loaded.
-    path = tmp_path / "objs.pt2"
-    with zipfile.ZipFile(path, "w") as archive:
-        archive.writestr("p/data/aotinductor/model/x.wrapper.so", b"\x7fELF")
-        archive.writestr("p/data/aotinductor/model/x.wrapper.cpp", "")
-        archive.writestr("p/data/aotinductor/model/x.wrapper_metadata.json",
-                         '{"AOTI_DEVICE_KEY": "cpu"}')
-        archive.writestr("p/data/aotinductor/model/custom_objs_config.json", "{}")
-    assert aoti.load_aligned(str(path)) == aoti.NotAligned(
+    path = _fake_package(tmp_path / "objs.pt2", "cpu", "custom_objs_config.json")
+    assert aoti.load_aligned(path) == aoti.NotAligned(
         "holds custom_objs_config.json, which torch's loader sets up")
 
 
