@@ -135,7 +135,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="after the full runs, replays of their steps with the variants taking "
                         "each step in turn (the steadier comparison on a noisy machine); 0: none")
     p.add_argument("--sb-options", metavar="DICT", default=None,
-                   help="more options for the sizebackend variant, a Python dict literal "
+                   help="more options for the sizebackend variants, a Python dict literal "
                         "(e.g. \"{'splitting_ops': []}\"); compile_sizes and compiler come "
                         "from --compile-sizes and --compiler")
     p.add_argument("--threads", type=int, default=1,
