@@ -32,7 +32,7 @@ Then ``--passes`` replays of the first run's steps time the variants step by ste
 turn (:func:`interleaved_runs`): on a machine whose speed drifts by tens of percent from
 one run to the next, whole runs one after another compare the drift as much as the
 compilers, while a step is a few milliseconds, so every variant meets the same machine.
-Within a process these ratios are the steady ones (3-7% apart from pass to pass here,
+Within a process these ratios are the steady ones (3-12% apart from pass to pass here,
 where fastest full runs disagree by up to 40%); between processes the same code still
 moves by 10-20% (see the README: one process is one sample).
 
@@ -325,7 +325,7 @@ def timed_runs(
 
 #: Steps a variant runs per turn in an interleaved pass. Measured (default command,
 #: one process per length): sizebackend / `dynamic=True` spread over the 5 passes by
-#: 3-7% at 1 step per turn, 9% at 16 and 23% at 64 steps (the machine's drift gets
+#: 3-12% at 1 step per turn, 9% at 16 and 23% at 64 steps (the machine's drift gets
 #: inside the longer turns); eager / `dynamic=True` came out at 0.75-0.77 at every
 #: length (0.64-0.76 in the full runs, whose scheduler time the passes leave out).
 CHUNK_STEPS = 1
