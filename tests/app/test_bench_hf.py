@@ -48,8 +48,8 @@ def test_bench_hf_runs_every_variant_with_equal_tokens(tmp_path):
 def _run(tmp_path, *argv):
     return subprocess.run(
         [sys.executable, os.path.join(REPO, "benchmarks", "bench_hf.py"), "--compiler", "eager",
-         "--layers", "2", "--hidden", "64", "--batches", "1,2", "--prompt", "4",
-         "--new-tokens", "3", "--repeat", "1", *argv],
+         "--layers", "1", "--hidden", "64", "--batches", "1,2", "--prompt", "4",
+         "--new-tokens", "2", "--repeat", "1", *argv],
         cwd=REPO, capture_output=True, text=True, timeout=600,
         env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
                  SIZEBACKEND_CACHE_DIR="none"))
@@ -63,7 +63,7 @@ def test_bench_hf_passes_sb_options_to_the_backend(tmp_path):
     result = json.loads(out.read_text())
     assert all(result["tokens_equal"].values())
     evidence = result["evidence"]["sizebackend"]
-    # Nothing split: one piece per graph where the default splits 2 layers' attention.
+    # Nothing split: one piece per graph where the default splits at the layer's attention.
     assert (evidence["graphs"], evidence["pieces"], evidence["splits"]) == (4, 4, 0)
     bad = _run(tmp_path, "--sb-options", "{'compile_sizes': [3]}")
     assert bad.returncode == 2 and "compile_sizes come from --batches" in bad.stderr

@@ -212,8 +212,12 @@ def test_unsplit_graph_serves_the_kv_cache_model_with_the_real_defaults(real_def
     attention op and its in-place KV-cache write inside each compiled graph, the sized
     one frozen and tuned (the user's defaults) and stored as a package that calls the
     op back; the same logits and caches as eager, cold and after a restart."""
+    import zipfile
+
     import dynamo_sizebackend as sb
+    from dynamo_sizebackend._torch import aoti
     from dynamo_sizebackend.cache import store
+    from dynamo_sizebackend.cache.store import DiskCache
 
     from ..nets import compile_sb
 
@@ -233,3 +237,15 @@ def test_unsplit_graph_serves_the_kv_cache_model_with_the_real_defaults(real_def
         for logits, expected in zip(got, run(expected_model, steps), strict=True):
             torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
         assert_caches_equal(model, expected_model, atol=1e-5, rtol=1e-5)
+
+    # The stored package calls the op back: it says so in the file beside its library,
+    # which its aligned load needs (without it the first call failed: "Unable to find a
+    # proxy executor"), and it loads aligned.
+    (entry,) = [e for e in DiskCache(options["cache_dir"]).entries()[0] if e.kind == "aot"]
+    key = entry.path.rsplit("/", 1)[1].removesuffix(store.SUFFIX)
+    package = tmp_path / "size4.pt2"
+    package.write_bytes(DiskCache(options["cache_dir"]).read(key))
+    with zipfile.ZipFile(package) as archive:
+        (library,) = [n for n in archive.namelist() if n.endswith(".so")]
+        assert b"sizebackend::attention" in archive.read(library.removesuffix(".so") + ".json")
+    assert isinstance(aoti.load_aligned(str(package)), aoti.AlignedCpuPackage)
