@@ -27,7 +27,6 @@ run says why under "failed" (as ``sizebackend bench`` does), rather than being l
 from __future__ import annotations
 
 import argparse
-import ast
 import copy
 import functools
 import json
@@ -46,6 +45,7 @@ import torch  # noqa: E402
 import dynamo_sizebackend as sb  # noqa: E402
 import dynamo_sizebackend.hf  # noqa: E402
 from dynamo_sizebackend.app import peers  # noqa: E402
+from dynamo_sizebackend.app.bench import more_options  # noqa: E402
 
 VARIANTS = ("eager", "stock", "dynamic-tuned", "sizebackend", "sizebackend-unbacked")
 #: The backend's variants: each one's share of ``sb.stats()`` is counted apart.
@@ -185,13 +185,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="more options for the sizebackend variants, a Python dict literal "
                              "(e.g. \"{'splitting_ops': []}\": no split)")
     args = parser.parse_args(argv)
-    try:  # every check the backend makes, before any compile
-        extra = ast.literal_eval(args.sb_options) if args.sb_options else {}
-        sb.check_options({**extra, "compile_sizes": [1]})
-    except (ValueError, SyntaxError, TypeError) as e:
+    try:
+        extra = (more_options(args.sb_options, {"compile_sizes": "--batches",
+                                                "cudagraphs": "this script (off)"})
+                 if args.sb_options else {})
+    except ValueError as e:
         parser.error(f"--sb-options: {e}")
-    if "compile_sizes" in extra or "cudagraphs" in extra:
-        parser.error("--sb-options: compile_sizes come from --batches; cudagraphs is off")
     names = args.variants.split(",")
     unknown = sorted(set(names) - set(VARIANTS))
     if unknown:

@@ -15,7 +15,6 @@ percent of 1.0 can hold in every round of one process and reverse in the next pr
 from __future__ import annotations
 
 import argparse
-import ast
 import functools
 import json
 import os
@@ -33,6 +32,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import dynamo_sizebackend as sb  # noqa: E402
 from dynamo_sizebackend.app import plot  # noqa: E402
+from dynamo_sizebackend.app.bench import more_options  # noqa: E402
 from dynamo_sizebackend.app.peers import PeerForward  # noqa: E402
 from dynamo_sizebackend.models.sdpa import TinyTransformer  # noqa: E402
 
@@ -100,13 +100,11 @@ def main(argv=None) -> int:
                    help="run the comparison in this many fresh processes and print the "
                         "median of their sizebackend / peer ratios")
     args = p.parse_args(argv)
-    try:  # every check the backend makes, before any compile
-        extra = ast.literal_eval(args.sb_options) if args.sb_options else {}
-        sb.check_options({**extra, "compile_sizes": [1]})
-    except (ValueError, SyntaxError, TypeError) as e:
+    try:
+        extra = (more_options(args.sb_options, {"compile_sizes": "--sizes"})
+                 if args.sb_options else {})
+    except ValueError as e:
         p.error(f"--sb-options: {e}")
-    if "compile_sizes" in extra:
-        p.error("--sb-options: compile_sizes come from --sizes")
     base = [b for b in args.base.split(",") if b]
     unknown = sorted(set(base) - set(BASE_VARIANTS))
     if unknown or not base:

@@ -232,28 +232,6 @@ def enabled() -> bool:
     return os.environ.get("SIZEBACKEND_ALIGN_PACKAGES", "1") != "0"
 
 
-def _members(path: str) -> tuple[str, str, str | None] | None:
-    """The package's one library, its wrapper source and the description of the ops
-    its code calls back into PyTorch for (``<library stem>.json``, where it has one),
-    or ``None`` where it is not a CPU package of one library (its wrapper's metadata
-    names the device)."""
-    with zipfile.ZipFile(path) as archive:
-        names = archive.namelist()
-        libraries = [n for n in names if n.endswith(".so")]
-        wrappers = [n for n in names if n.endswith("wrapper.cpp")]
-        metadata = [n for n in names if n.endswith("wrapper_metadata.json")]
-        if len(libraries) != 1 or len(wrappers) != 1 or len(metadata) != 1:
-            return None
-        try:
-            device = json.loads(archive.read(metadata[0])).get("AOTI_DEVICE_KEY")
-        except (ValueError, AttributeError):
-            return None
-    if device != "cpu" or any(n.endswith((".cubin", ".fatbin", ".spv", ".hsaco")) for n in names):
-        return None
-    calls = libraries[0].removesuffix(".so") + ".json"
-    return libraries[0], wrappers[0], calls if calls in names else None
-
-
 #: What a package holds under ``data/`` that :func:`load_aligned` knows what to do with:
 #: the library, its sources, the description of its calls into PyTorch, metadata.
 #: Anything else (weights stored beside the library, TorchBind objects) is torch's
@@ -261,9 +239,30 @@ def _members(path: str) -> tuple[str, str, str | None] | None:
 _KNOWN_DATA = (".so", ".cpp", ".wrapper.json", "_metadata.json")
 
 
-def _unknown_member(names: Sequence[str]) -> str | None:
-    return next((n for n in names if "/data/" in f"/{n}" and not n.endswith("/")
-                 and not n.endswith(_KNOWN_DATA)), None)
+def _members(path: str) -> tuple[str, str, str | None] | str:
+    """The package's one library, its wrapper source and the description of the ops
+    its code calls back into PyTorch for (``<library stem>.json``, where it has one);
+    or why torch's loader is to load it: not a CPU package of one library (its
+    wrapper's metadata names the device), or one holding files only that loader sets up."""
+    with zipfile.ZipFile(path) as archive:
+        names = archive.namelist()
+        libraries = [n for n in names if n.endswith(".so")]
+        wrappers = [n for n in names if n.endswith("wrapper.cpp")]
+        metadata = [n for n in names if n.endswith("wrapper_metadata.json")]
+        if len(libraries) != 1 or len(wrappers) != 1 or len(metadata) != 1:
+            return "not one CPU library"
+        try:
+            device = json.loads(archive.read(metadata[0])).get("AOTI_DEVICE_KEY")
+        except (ValueError, AttributeError):
+            return "not one CPU library"
+    if device != "cpu" or any(n.endswith((".cubin", ".fatbin", ".spv", ".hsaco")) for n in names):
+        return "not one CPU library"
+    unknown = next((n for n in names if "/data/" in f"/{n}" and not n.endswith("/")
+                    and not n.endswith(_KNOWN_DATA)), None)
+    if unknown is not None:
+        return f"holds {unknown.rsplit('/', 1)[-1]}, which torch's loader sets up"
+    calls = libraries[0].removesuffix(".so") + ".json"
+    return libraries[0], wrappers[0], calls if calls in names else None
 
 
 @dataclass(frozen=True)
@@ -290,12 +289,8 @@ def load_aligned(path: str) -> AlignedCpuPackage | NotAligned:
         members = _members(path)
     except (OSError, zipfile.BadZipFile) as e:  # torch's loader says what is wrong with it
         return NotAligned(f"unreadable: {e}")
-    if members is None:
-        return NotAligned("not one CPU library")
-    with zipfile.ZipFile(path) as archive:
-        unknown = _unknown_member(archive.namelist())
-    if unknown is not None:
-        return NotAligned(f"holds {unknown.rsplit('/', 1)[-1]}, which torch's loader sets up")
+    if isinstance(members, str):
+        return NotAligned(members)
     library, wrapper, calls = members
     folder = tempfile.mkdtemp(prefix="sizebackend-aoti-")
     try:

@@ -55,7 +55,7 @@ import logging
 import statistics
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -66,7 +66,7 @@ from ..models.llama import PRESETS, SizeLlama
 from ..models.llama_tp import check_divisible
 from .scheduler import Request, Scheduler, make_requests, plan, size_histogram
 from ..cache.package_worker import wait_for_packages
-from ..options import parse_options
+from ..options import check_options
 from ..stats import reset_stats, stats
 
 #: sizebackend as the bench runs it (``--sb-options`` adds to both): with its defaults,
@@ -565,6 +565,24 @@ def _parse_sizes(text: str) -> list[int]:
     return sizes
 
 
+def more_options(text: str, set_elsewhere: Mapping[str, str]) -> dict[str, Any]:
+    """``--sb-options`` of this bench and of the scripts in ``benchmarks/``: a Python dict
+    literal of backend options to add to those the script sets, checked as the backend
+    checks them, before anything compiles. A key in ``set_elsewhere`` (key: where it
+    comes from) is refused. Raises ValueError saying why."""
+    try:
+        extra = ast.literal_eval(text.strip())
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as e:
+        raise ValueError(f"not a Python dict literal: {text!r} ({e})") from None
+    if not isinstance(extra, dict):
+        raise ValueError(f"must be a dict literal, got {type(extra).__name__}: {text!r}")
+    check_options({**extra, "compile_sizes": [1]})  # OptionError is a ValueError
+    taken = [key for key in set_elsewhere if key in extra]
+    if taken:
+        raise ValueError("; ".join(f"{key} come from {set_elsewhere[key]}" for key in taken))
+    return extra
+
+
 def _check_args(args: argparse.Namespace) -> list[str]:
     names = list(VARIANTS) if args.variants.strip() == "all" else [
         v.strip() for v in args.variants.split(",") if v.strip()]
@@ -576,15 +594,10 @@ def _check_args(args: argparse.Namespace) -> list[str]:
         _parser().error("--passes must be 0 or more")
     if args.sb_options is not None:
         try:
-            extra = ast.literal_eval(args.sb_options.strip())
-            parse_options(extra)  # every check the backend makes, before any compile
-        except (ValueError, TypeError, SyntaxError) as e:
+            args.sb_options = more_options(args.sb_options, {
+                "compile_sizes": "--compile-sizes", "compiler": "--compiler"})
+        except ValueError as e:
             _parser().error(f"--sb-options: {e}")
-        taken = sorted({"compile_sizes", "compiler"} & set(extra))
-        if taken:
-            _parser().error(f"--sb-options: {', '.join(taken)} come from "
-                            f"{', '.join('--' + k.replace('_', '-') for k in taken)}")
-        args.sb_options = extra
     for flag in ("repeat", "threads", "max_num_seqs", "max_num_batched_tokens", "tp"):
         value = getattr(args, flag)
         if value is not None and value < 1:
