@@ -32,7 +32,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import dynamo_sizebackend as sb  # noqa: E402
 from dynamo_sizebackend.app import plot  # noqa: E402
-from dynamo_sizebackend.app.bench import more_options  # noqa: E402
+from dynamo_sizebackend.app.bench import CHUNK_STEPS, WARM_CALLS, more_options  # noqa: E402
 from dynamo_sizebackend.app.peers import PeerForward  # noqa: E402
 from dynamo_sizebackend.models.sdpa import TinyTransformer  # noqa: E402
 
@@ -43,23 +43,31 @@ OURS = ("sizebackend", "sb batch-dyn", "sb unbacked")
 
 
 def interleaved(calls: dict, iters: int) -> dict[str, float]:
-    """Median seconds per call of each zero-argument callable, timed call by call in
-    rotating order.
+    """Median seconds per call of each zero-argument callable over ``iters`` timed calls
+    each, the callables taking turns of :data:`CHUNK_STEPS` timed calls, each turn after
+    :data:`WARM_CALLS` untimed ones, in rotating order.
 
     This machine's speed drifts by 1.5x between consecutive batches of 100 calls (measured
-    on plain eager), so timing one variant after another compares drift, not code. Taking
-    turns call by call makes every variant see the same drift."""
+    on plain eager), so timing one variant after another compares drift, not code; turns
+    of a few calls let every variant see the same drift. The untimed calls: a call right
+    after another model's runs 1.3-1.7x slower and takes several calls to recover (see
+    ``sizebackend.app.bench.interleaved_runs``), while a process serving one model is
+    always warm."""
     names = list(calls)
     for name in names:
         for _ in range(3):
             calls[name]()
     samples: dict[str, list[float]] = {name: [] for name in names}
-    for i in range(iters):
+    for i in range(-(-iters // CHUNK_STEPS)):
         shift = i % len(names)
         for name in names[shift:] + names[:shift]:
-            start = time.perf_counter()
-            calls[name]()
-            samples[name].append(time.perf_counter() - start)
+            call = calls[name]
+            for _ in range(WARM_CALLS):
+                call()
+            for _ in range(min(CHUNK_STEPS, iters - i * CHUNK_STEPS)):
+                start = time.perf_counter()
+                call()
+                samples[name].append(time.perf_counter() - start)
     return {name: statistics.median(v) for name, v in samples.items()}
 
 

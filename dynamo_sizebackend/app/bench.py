@@ -28,13 +28,13 @@ the schedule, so every Dynamo trace and compile happens there (as vLLM's "init e
 warms up); the variants are initialized one after the other. Then the full generation
 runs ``--repeat`` rounds, every variant once per round on a zeroed KV cache, and each
 variant's fastest run gives its throughput. No compilation happens in the timed runs.
-Then ``--passes`` replays of the first run's steps time the variants step by step, in
-turn (:func:`interleaved_runs`): on a machine whose speed drifts by tens of percent from
+Then ``--passes`` replays of the first run's steps time the variants in turns of a few
+steps (:func:`interleaved_runs`): on a machine whose speed drifts by tens of percent from
 one run to the next, whole runs one after another compare the drift as much as the
-compilers, while a step is a few milliseconds, so every variant meets the same machine.
-Within a process these ratios are the steady ones (3-12% apart from pass to pass here,
-where fastest full runs disagree by up to 40%); between processes the same code still
-moves by 10-20% (see the README: one process is one sample).
+compilers, while a turn is tens of milliseconds, so every variant meets the same
+machine. Within a process these ratios are the steady ones (3-4% apart from pass to
+pass here, where fastest full runs disagree by up to 40%); between processes the same
+code still moves (see the README: one process is one sample).
 
 ``--tp N`` runs all of it on N tensor-parallel ranks (:mod:`.tp`: the shards of
 ``models/llama_tp``, spawned here or started by torchrun); rank 0 prints.
@@ -323,12 +323,11 @@ def timed_runs(
     return steps
 
 
-#: Steps a variant runs per turn in an interleaved pass. Measured (default command,
-#: one process per length): sizebackend / `dynamic=True` spread over the 5 passes by
-#: 3-12% at 1 step per turn, 9% at 16 and 23% at 64 steps (the machine's drift gets
-#: inside the longer turns); eager / `dynamic=True` came out at 0.75-0.77 at every
-#: length (0.64-0.76 in the full runs, whose scheduler time the passes leave out).
-CHUNK_STEPS = 1
+#: Steps a variant runs per turn in an interleaved pass, after :data:`WARM_CALLS`
+#: untimed calls of the turn's first step (:func:`interleaved_runs` says why). Turns of
+#: one step and no warm-up (stop 35) measured every variant cold, sizebackend the most.
+CHUNK_STEPS = 16
+WARM_CALLS = 4
 
 
 def interleaved_runs(
@@ -341,7 +340,22 @@ def interleaved_runs(
     another cannot promise. The variants share the KV cache, so a variant may read rows
     that one before it wrote for a later step of the chunk (a slot the next request
     took over): the work of a step does not depend on the values it reads, and the
-    tokens were checked in the full runs. Fills ``Result.interleaved``."""
+    tokens were checked in the full runs. Fills ``Result.interleaved``.
+
+    A turn starts with :data:`WARM_CALLS` untimed calls of its first step (idempotent:
+    the step writes the same keys and values into the same cache rows again), as a
+    process serving one variant is always warm. Measured on this machine (built-in
+    ``small``, T=8, one process, sizebackend's packages): a call right after another
+    model's call takes 1.3-1.7x its time in a run of calls of its own, and it takes ~8
+    calls to get back (1763, 1443, 1307, 1222, 1144, 1104, 1070, 1052 us after one
+    eager call of another model). Sizebackend lost the most there (its frozen pieces
+    hold copies of the weights of their own; the other variants read the model's one
+    set): 300 calls in a row took 0.65-0.72x of ``dynamic=True``'s time, the same calls
+    alternating eager / ``dynamic=True`` / sizebackend 0.85-0.89x, with one untimed
+    call before each timed one still 0.89-0.90x. In the default command, turns of one
+    step without warm-up gave sizebackend 1.09x ``dynamic=True`` (passes 1.07-1.13x)
+    where its fastest full run gave 1.29x; these turns give 1.30x (1.29-1.34x) beside
+    full runs at 1.27x."""
     order = list(range(len(variants)))
     chunks = [steps[k:k + CHUNK_STEPS] for k in range(0, len(steps), CHUNK_STEPS)]
     for i in range(passes):
@@ -352,6 +366,8 @@ def interleaved_runs(
                 shift = k % len(order)
                 for v in order[shift:] + order[:shift]:
                     forward = variants[v][0]
+                    for _ in range(WARM_CALLS):  # untimed: see the docstring
+                        forward(*chunk[0][0])
                     start = time.perf_counter()
                     for inputs, rows in chunk:
                         forward(*inputs)[rows].argmax(dim=-1).tolist()
@@ -480,9 +496,11 @@ def report_interleaved(w: Workload, results: list[Result], rows: dict[str, dict[
     passes = len(results[0].interleaved)
     if not passes:
         return
-    turn = "each step" if CHUNK_STEPS == 1 else f"every {CHUNK_STEPS} steps"
-    print(f"\ninterleaved: the same {sum(w.histogram.values())} steps again, {turn} run by "
-          f"each variant in turn, {passes} passes (forward + sampling, the scheduler left "
+    turn = f"{CHUNK_STEPS} step{'s' if CHUNK_STEPS > 1 else ''} per turn"
+    if WARM_CALLS:
+        turn += f", each turn after {WARM_CALLS} untimed call{'s' if WARM_CALLS > 1 else ''}"
+    print(f"\ninterleaved: the same {sum(w.histogram.values())} steps again, the variants "
+          f"taking turns ({turn}), {passes} passes (forward + sampling, the scheduler left "
           f"out); ratios: median of the passes")
     _table(
         f"{'step s':>8} {'output tok/step-s':>18}",
@@ -705,6 +723,7 @@ def _run(args: argparse.Namespace, names: list[str]) -> int:
         payload = {
             "config": {k: v for k, v in vars(args).items() if k != "json"},
             "compile_sizes": sizes,
+            "interleaved_turn": {"steps": CHUNK_STEPS, "warm_calls": WARM_CALLS},
             "schedule": {"steps": sum(w.histogram.values()),
                          "steps_per_size": {str(t): n for t, n in _by_frequency(w.histogram)},
                          "total_tokens": w.total_tokens, "output_tokens": w.output_tokens},

@@ -198,6 +198,9 @@ def _small_run(tmp_path, variants: str, *more: str) -> list[str]:
 
 def test_interleaved_passes_run_every_variant_on_every_chunk_in_turn(monkeypatch):
     monkeypatch.setattr(bench, "CHUNK_STEPS", 2)
+    monkeypatch.setattr(bench, "WARM_CALLS", 1)
+    clock = [0.0]  # one second per call: the timed seconds count the timed calls
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
     model = build_model("tiny")
     model.allocate_kv_cache(2, 8)
     calls = []
@@ -205,6 +208,7 @@ def test_interleaved_passes_run_every_variant_on_every_chunk_in_turn(monkeypatch
     def variant(name):
         def forward(ids, positions, slots):
             calls.append((name, int(ids[0])))
+            clock[0] += 1.0
             return torch.zeros(len(ids), 4)
         return forward
 
@@ -212,10 +216,12 @@ def test_interleaved_passes_run_every_variant_on_every_chunk_in_turn(monkeypatch
     steps = [((torch.tensor([k, k]), torch.tensor([0, 1]), torch.tensor([0, 0])),
               torch.tensor([1])) for k in range(4)]
     bench.interleaved_runs(model, variants, steps, passes=2)
-    # Every chunk of steps by every variant, the first to go rotating from chunk to chunk.
+    # Every chunk of steps by every variant, the first to go rotating from chunk to
+    # chunk; each turn starts with an untimed call of its first step.
     chunks = [("abc", (0, 1)), ("bca", (2, 3))]
-    assert calls == [(n, k) for order, ks in chunks for n in order for k in ks] * 2
-    assert all(len(r.interleaved) == 2 and min(r.interleaved) > 0 for _, r in variants)
+    assert calls == [(n, k) for order, ks in chunks for n in order
+                     for k in (ks[0], *ks)] * 2
+    assert [r.interleaved for _, r in variants] == [[4.0, 4.0]] * 3  # the warm calls untimed
 
 
 @pytest.mark.parametrize("given, message", [
