@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx
 
-from . import aoti, autotune, isa_probe, pch, templates
+from . import aoti, autotune, isa_probe, packed_linear, pch, templates
 from .dynamo import COMPILE_LOCK
 
 log = logging.getLogger(__name__)
@@ -60,10 +60,11 @@ def standalone_compile(
 @contextlib.contextmanager
 def _our_hooks(prune: bool) -> Iterator[None]:
     """Inductor as this backend's compiles run it: GEMM candidates pruned (when
-    ``prune``), Jinja templates parsed once, benchmark candidates built with the
-    precompiled header, the vector-ISA probe remembered."""
-    with autotune.pruning(prune), templates.memoized(), pch.precompiled(), \
-            isa_probe.remembered():
+    ``prune``), frozen static GEMMs packed for the library that is faster on this CPU,
+    Jinja templates parsed once, benchmark candidates built with the precompiled
+    header, the vector-ISA probe remembered."""
+    with autotune.pruning(prune), packed_linear.measured(), templates.memoized(), \
+            pch.precompiled(), isa_probe.remembered():
         yield
 
 

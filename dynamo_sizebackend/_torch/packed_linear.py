@@ -1,0 +1,140 @@
+"""Which packed linear a frozen sized piece calls: oneDNN's or MKL's, by measurement.
+
+When Inductor freezes a float32 linear on an x86 CPU it packs the weight for one of two
+libraries (``fx_passes/mkldnn_fusion.py``): MKL (``mkl._mkl_linear``) where the row count
+is a static number and the compile is JIT, oneDNN (``mkldnn._linear_pointwise``) where
+the rows are symbolic or the compile is AOT. A listed size's pieces are static, so JIT
+they get MKL's and stored as packages oneDNN's. Which is faster depends on the CPU, by
+a lot:
+
+- 2026-12-05 (this kind of machine, an earlier CPU): at 39 rows the JIT pieces (MKL)
+  beat the packages (oneDNN) by about 15% of a Llama ``small`` step.
+- 2026-12-06 (AMD family 26, AVX-512): MKL's sgemm is 1.5-4x slower than oneDNN's at 2-64
+  rows (K x N from 256 x 256 to 512 x 8192, one thread; e.g. 16 x 256 x 1024: 110 us
+  against 52 us); only at one row does MKL win (12 us against 21 us at 256 x 768). A
+  d-256 SDPA transformer's size-4 pieces ran at 1888 us per call JIT against 1106 us
+  for torch's own frozen ``specialize_on`` graph (oneDNN's).
+
+So inside this backend's sized compiles every static float32 GEMM shape (rows, K, N) is
+timed once per process with both libraries on random data (the threads the process
+runs with), and oneDNN's packing is taken where it is faster by :data:`MARGIN`, else
+torch's own choice stands. ``SIZEBACKEND_PACKED_LINEAR=torch`` leaves every choice to
+torch. Other callers of Inductor in the process are not touched (a thread-scoped hook,
+like ``_torch/autotune.py``'s). A frozen piece is never served from Inductor's FX graph
+cache (it skips graphs with frozen constants), so a choice is never read back stale.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+
+from .hooks import ThreadScopedHook
+
+log = logging.getLogger(__name__)
+
+#: oneDNN is taken where it runs in less than this share of MKL's time: a near tie
+#: keeps torch's choice, so timing noise cannot flip a decision from run to run.
+MARGIN = 0.9
+#: Seconds of calls per kernel and shape when timing (the best of three such batches).
+BUDGET_S = 0.005
+
+#: Decisions taken in this process, by library (``"onednn"``, ``"mkl"``): what tests read.
+DECISIONS: Counter[str] = Counter()
+
+
+def enabled() -> bool:
+    return os.environ.get("SIZEBACKEND_PACKED_LINEAR", "measure") != "torch"
+
+
+def _seconds(call: Callable[[], Any]) -> float:
+    """Seconds per call: the best of three batches of about :data:`BUDGET_S` each."""
+    call()
+    start = time.perf_counter()
+    call()
+    once = max(time.perf_counter() - start, 1e-7)
+    n = max(1, min(1000, int(BUDGET_S / once)))
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(n):
+            call()
+        best = min(best, (time.perf_counter() - start) / n)
+    return best
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_faster(rows: int, k: int, n: int) -> bool:
+    """Whether oneDNN's packed linear runs ``rows x k`` by a ``k x n`` float32 weight in
+    under :data:`MARGIN` of MKL's time on this CPU (measured once per shape)."""
+    # Called inside a compile: real tensors, outside its fake mode.
+    with torch.utils._python_dispatch._disable_current_modes():
+        return _measure(rows, k, n)
+
+
+def _measure(rows: int, k: int, n: int) -> bool:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, k, generator=generator)
+    weight = torch.randn(n, k, generator=generator)  # what the packing ops take: N x K
+    bias = torch.randn(n, generator=generator)
+    with torch.no_grad():
+        mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+        onednn = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+        t_mkl = _seconds(lambda: torch.ops.mkl._mkl_linear(x, mkl, weight, bias, rows))
+        t_onednn = _seconds(
+            lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [], ""))
+    faster = t_onednn < MARGIN * t_mkl
+    log.debug("packed linear %d x %d x %d: oneDNN %.1f us, MKL %.1f us: %s", rows, k, n,
+              t_onednn * 1e6, t_mkl * 1e6, "oneDNN" if faster else "torch's choice (MKL)")
+    return faster
+
+
+def _install() -> None:
+    from torch._inductor.fx_passes import mkldnn_fusion
+
+    op_class = getattr(mkldnn_fusion, "CpuMkldnnDeviceOp", None)
+    if op_class is None:  # torch built without oneDNN: nothing is packed for it
+        return
+    torch_pack_weight, torch_pack_linear = op_class.pack_linear_weight, op_class.pack_linear
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+
+    def pack_linear_weight(self, graph, is_lp_weight, transpose_weight_node, batch_size):
+        if PACKING.active and not is_lp_weight and _onednn_for(transpose_weight_node, batch_size):
+            return graph.create_node("call_function", reorder, args=(transpose_weight_node, batch_size))
+        return torch_pack_weight(self, graph, is_lp_weight, transpose_weight_node, batch_size)
+
+    def pack_linear(self, graph, is_lp_weight, batch_size, input, packed_weight_node, bias):
+        if PACKING.active and packed_weight_node.target is reorder:  # packed for oneDNN
+            return graph.create_node("call_function", torch.ops.mkldnn._linear_pointwise.default,
+                                     (input, packed_weight_node, bias, "none", [], ""))
+        return torch_pack_linear(self, graph, is_lp_weight, batch_size, input, packed_weight_node, bias)
+
+    op_class.pack_linear_weight, op_class.pack_linear = pack_linear_weight, pack_linear
+
+
+def _onednn_for(transpose_weight_node: Any, batch_size: Any) -> bool:
+    """Whether a static float32 GEMM of ``batch_size`` rows by the weight under
+    ``transpose_weight_node`` (the ``K x N`` operand of the matched ``mm``) is to be
+    packed for oneDNN where torch would take MKL (counted in :data:`DECISIONS`)."""
+    weight = transpose_weight_node.args[0] if transpose_weight_node.args else None
+    value = getattr(weight, "meta", {}).get("val")
+    if (not isinstance(batch_size, int) or value is None or value.dim() != 2
+            or value.dtype != torch.float32 or not torch._C.has_mkl):
+        return False  # torch's own choice: oneDNN already, or nothing to compare
+    k, n = (int(d) for d in value.shape)
+    faster = onednn_faster(batch_size, k, n)
+    DECISIONS["onednn" if faster else "mkl"] += 1
+    return faster
+
+
+PACKING = ThreadScopedHook(_install)
+
+
+def measured(on: bool = True):
+    """The scope of a sized compile: static GEMMs packed for the faster library."""
+    return PACKING.scope(on and enabled())

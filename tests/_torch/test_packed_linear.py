@@ -1,0 +1,74 @@
+"""_torch.packed_linear: a frozen sized piece's static float32 GEMMs are packed for the
+library measured faster on this CPU (oneDNN or MKL); torch's own choice everywhere
+else. The measurement itself is timing, so these tests fix its answer and check what
+each answer compiles to, through the backend with its real defaults."""
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+
+import dynamo_sizebackend as sb
+from dynamo_sizebackend._torch import packed_linear
+
+pytestmark = pytest.mark.skipif(
+    not (torch._C.has_mkl and torch.backends.mkldnn.is_available()),
+    reason="torch chooses between MKL and oneDNN only where it has both")
+
+ROWS = 16  # past autotune.py's template-only rows: the ATen kernel is the one that runs
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
+                               torch.nn.Linear(128, 32)).eval()
+
+
+def _sized_code(model):
+    compiled = torch.compile(model, backend="sizebackend",
+                             options={"compile_sizes": [ROWS], "cache_dir": None})
+    x = torch.randn(ROWS, 64)
+    torch._dynamo.mark_dynamic(x, 0)
+    with torch.no_grad():
+        out, code = run_and_get_code(compiled, x)
+        torch.testing.assert_close(out, model(x))
+    return "\n".join(code)
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("onednn, kernel, other", [
+    (True, "mkldnn._linear_pointwise", "mkl._mkl_linear"),
+    (False, "mkl._mkl_linear", "mkldnn._linear_pointwise"),
+])
+def test_the_measured_library_is_the_one_the_sized_piece_calls(
+        real_defaults, monkeypatch, onednn, kernel, other):
+    monkeypatch.setattr(packed_linear, "onednn_faster", lambda rows, k, n: onednn)
+    monkeypatch.setattr(packed_linear, "DECISIONS", type(packed_linear.DECISIONS)())
+    code = _sized_code(_mlp())
+    assert kernel in code and other not in code
+    # Both linears of the size-16 piece were measured and decided (the general piece
+    # is not frozen: nothing packed there).
+    assert packed_linear.DECISIONS == {"onednn" if onednn else "mkl": 2}
+    assert sb.stats().compiles == {"dynamic": 1, str(ROWS): 1}
+
+
+@pytest.mark.inductor
+def test_switched_off_and_other_callers_keep_torchs_choice(real_defaults, monkeypatch):
+    monkeypatch.setattr(packed_linear, "onednn_faster", lambda rows, k, n: True)
+    monkeypatch.setattr(packed_linear, "DECISIONS", type(packed_linear.DECISIONS)())
+    model = _mlp()
+    # torch.compile with Inductor's own freezing, outside the backend: MKL, as torch picks.
+    x = torch.randn(ROWS, 64)
+    with torch.no_grad(), torch._inductor.config.patch(freezing=True):
+        _, code = run_and_get_code(torch.compile(model), x)
+    assert "mkl._mkl_linear" in "\n".join(code)
+    torch._dynamo.reset()
+    monkeypatch.setenv("SIZEBACKEND_PACKED_LINEAR", "torch")
+    assert "mkl._mkl_linear" in _sized_code(model)
+    assert packed_linear.DECISIONS == {}
+
+
+def test_a_measurement_is_taken_once_per_shape():
+    packed_linear.onednn_faster.cache_clear()
+    first = packed_linear.onednn_faster(4, 32, 16)
+    assert isinstance(first, bool)
+    assert packed_linear.onednn_faster(4, 32, 16) is first
+    assert packed_linear.onednn_faster.cache_info().hits == 1
