@@ -121,6 +121,10 @@ def _onednn_for(transpose_weight_node: Any, batch_size: Any) -> bool:
     """Whether a static float32 GEMM of ``batch_size`` rows by the weight under
     ``transpose_weight_node`` (the ``K x N`` operand of the matched ``mm``) is to be
     packed for oneDNN where torch would take MKL (counted in :data:`DECISIONS`)."""
+    from torch._inductor.virtualized import V
+
+    if V.aot_compilation:  # torch packs for oneDNN there already
+        return False
     weight = transpose_weight_node.args[0] if transpose_weight_node.args else None
     value = getattr(weight, "meta", {}).get("val")
     if (not isinstance(batch_size, int) or value is None or value.dim() != 2
