@@ -41,10 +41,11 @@ log = logging.getLogger("dynamo_sizebackend")
 COUNTS = {"remembered": 0, "probed": 0}
 
 
-def _cpu_description() -> str | None:
-    """Model name and flags of the first CPU in ``/proc/cpuinfo`` (Linux), else ``None``."""
+def cpu_fields() -> dict[str, str]:
+    """Model name, vendor, family, model and flags of the first CPU in ``/proc/cpuinfo``
+    (Linux); ``{}`` where there is none to read."""
     if not sys.platform.startswith("linux"):
-        return None
+        return {}
     wanted = ("model name", "flags", "vendor_id", "cpu family", "model")
     found: dict[str, str] = {}
     try:
@@ -57,7 +58,13 @@ def _cpu_description() -> str | None:
                 if name in wanted:
                     found[name] = value.strip()
     except OSError:
-        return None
+        return {}
+    return found
+
+
+def _cpu_description() -> str | None:
+    """:func:`cpu_fields` as one text, or ``None`` without the flags."""
+    found = cpu_fields()
     if "flags" not in found:
         return None
     return "\n".join(f"{k}={found[k]}" for k in sorted(found))

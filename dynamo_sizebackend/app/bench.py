@@ -52,6 +52,7 @@ import ast
 import dataclasses
 import json
 import logging
+import platform
 import statistics
 import sys
 import time
@@ -66,6 +67,7 @@ from ..models.llama import PRESETS, SizeLlama
 from ..models.llama_tp import check_divisible
 from .scheduler import Request, Scheduler, make_requests, plan, size_histogram
 from ..cache.package_worker import wait_for_packages
+from .._torch import isa_probe
 from ..options import check_options
 from ..stats import reset_stats, stats
 
@@ -722,6 +724,7 @@ def _run(args: argparse.Namespace, names: list[str]) -> int:
     if args.json:
         payload = {
             "config": {k: v for k, v in vars(args).items() if k != "json"},
+            "machine": machine(),
             "compile_sizes": sizes,
             "interleaved_turn": {"steps": CHUNK_STEPS, "warm_calls": WARM_CALLS},
             "schedule": {"steps": sum(w.histogram.values()),
@@ -744,12 +747,31 @@ def _by_frequency(histogram: dict[int, int]) -> list[tuple[int, int]]:
     return sorted(histogram.items(), key=lambda kv: (-kv[1], kv[0]))
 
 
+def machine() -> dict[str, str]:
+    """What CPU ran the bench: results differ by CPU far more than by run (e.g. which
+    GEMM library wins, ``_torch/packed_linear.py``), so every result names it."""
+    cpu = isa_probe.cpu_fields()
+    return {"model_name": cpu.get("model name", platform.processor() or "unknown"),
+            "vendor": cpu.get("vendor_id", ""), "family": cpu.get("cpu family", ""),
+            "model": cpu.get("model", ""),
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def machine_line() -> str:
+    m = machine()
+    where = " ".join(x for x in (m["vendor"], m["family"] and f"family {m['family']}",
+                                 m["model"] and f"model {m['model']}") if x)
+    return f"{m['model_name']}{f' ({where})' if where else ''}, torch CPU capability " \
+           f"{m['torch_cpu_capability']}"
+
+
 def _print_setup(args: argparse.Namespace, cfg, w: Workload, sizes: list[int]) -> None:
     num_steps = sum(w.histogram.values())
     print(f"model {args.model}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
           f"vocab {cfg.vocab_size}; tensor parallel over {tp.world_size()} rank(s), "
           f"{torch.get_num_threads()} threads each; "
           f"compiled variants use {args.compiler}")
+    print(f"CPU: {machine_line()}")
     print(f"workload: {len(w.requests)} requests, input {args.input_len}, output "
           f"{args.output_len} +-{args.output_spread:.0%}, max_num_seqs {args.max_num_seqs}: "
           f"{num_steps} steps at {len(w.histogram)} distinct T (tokens per step)")

@@ -107,6 +107,11 @@ def test_bench_end_to_end(tmp_path, capsys, variants):
     data = json.loads(out.read_text())
     assert data["tokens_identical"] is True and data["token_mismatches"] == []
     assert set(data["variants"]) == set(variants.split(","))
+    # The CPU is named (results differ by CPU more than by run), and how passes took turns.
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert data["machine"]["torch_cpu_capability"] == capability
+    assert f"CPU: {data['machine']['model_name']}" in printed and capability in printed
+    assert data["interleaved_turn"] == {"steps": bench.CHUNK_STEPS, "warm_calls": bench.WARM_CALLS}
     for row in data["variants"].values():
         for key in ("requests_per_s", "total_tokens_per_s", "output_tokens_per_s",
                     "init_seconds", "run_seconds", "vs_eager"):
