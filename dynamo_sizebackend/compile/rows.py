@@ -13,16 +13,24 @@ therefore compiled untuned (counted, logged: :func:`untuned_for_rows`); marking 
 the batch dim (``mark_dynamic``/``mark_unbacked``) keeps the rows static and the
 tuning on. Only the measured default is overridden: ``sized_inductor_options`` given
 explicitly is used as given.
+
+That measurement is one CPU's. Frozen symbolic rows run oneDNN's packed GEMM, the
+unfrozen ones MKL's (``_torch/packed_linear.py``), and on the 2026-12-06 CPU (AMD
+family 26) oneDNN's runs 1.5-4x faster, so there torch's own frozen ``specialize_on``
+outran these untuned pieces (bench_hf: its prefill graph). So where every such GEMM is
+a float32 ``linear`` whose oneDNN GEMM is measured faster than MKL's at the traced
+rows (:func:`frozen_pays`), the tuning stays on.
 """
 from __future__ import annotations
 
 import logging
 import operator
+from typing import Any
 
 import torch
 import torch.fx
 
-from .._torch import dynamo
+from .._torch import dynamo, packed_linear
 from . import failures
 
 log = logging.getLogger(__name__)
@@ -39,6 +47,36 @@ def symbolic_rows(gm: torch.fx.GraphModule, batch_symbol) -> list[str]:
     on a symbol other than ``batch_symbol``, as ``"name: rows"``; empty if none.
     Activation x activation products (attention scores) are not counted: freezing does
     not touch them. ``gm`` is only read."""
+    return [f"{node.name}: {rows}" for node, rows, _ in _symbolic_gemms(gm, batch_symbol)]
+
+
+def frozen_pays(gm: torch.fx.GraphModule, batch_symbol) -> bool:
+    """Whether, on this CPU, every GEMM :func:`symbolic_rows` names runs faster frozen
+    than not: each is a float32 ``linear`` whose weight freezing would pack for oneDNN
+    (symbolic rows), and oneDNN's packed GEMM measured faster than MKL's (what the
+    unfrozen ``linear`` runs) at the rows the graph was traced with
+    (:func:`.._torch.packed_linear.onednn_faster`). ``False`` where any is not, cannot
+    be measured, or the measurement is switched off: the rule above stands."""
+    if not packed_linear.enabled() or not torch._C.has_mkl:
+        return False
+    found = _symbolic_gemms(gm, batch_symbol)
+    for node, rows, weight in found:
+        hint = getattr(getattr(rows, "node", None), "hint", None)
+        if (node.target not in (torch._C._nn.linear, torch.nn.functional.linear)
+                or not isinstance(hint, int) or not isinstance(weight, torch.Tensor)
+                or weight.dim() != 2 or weight.dtype != torch.float32):
+            return False
+        n, k = (int(d) for d in weight.shape)
+        try:
+            if not packed_linear.onednn_faster(hint, k, n):
+                return False
+        except Exception:  # a kernel that does not run here: the rule stands
+            return False
+    return bool(found)
+
+
+def _symbolic_gemms(gm: torch.fx.GraphModule, batch_symbol) -> list[tuple[torch.fx.Node, Any, Any]]:
+    """``(node, rows, weight example)`` of every GEMM :func:`symbolic_rows` names."""
     found = []
     for node in gm.graph.nodes:
         if not _is_gemm(node) or not node.args:
@@ -55,8 +93,18 @@ def symbolic_rows(gm: torch.fx.GraphModule, batch_symbol) -> list[str]:
         free = getattr(rows, "node", None)
         symbols = free.expr.free_symbols if free is not None else set()
         if symbols - {batch_symbol}:
-            found.append(f"{node.name}: {rows}")
+            found.append((node, rows, _example(gm, weight)))
     return found
+
+
+def _example(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Any:
+    """The tensor (or fake) a weight node stands for, ``None`` where unknown."""
+    if node.op == "get_attr":
+        value = gm
+        for part in str(node.target).split("."):
+            value = getattr(value, part, None)
+        return value
+    return dynamo.placeholder_example(node) if node.op == "placeholder" else None
 
 
 def _is_model_tensor(node) -> bool:

@@ -8,7 +8,8 @@ import torch.nn as nn
 
 import dynamo_sizebackend as sb
 from dynamo_sizebackend.compile.batch import find_batch
-from dynamo_sizebackend.compile.rows import symbolic_rows
+from dynamo_sizebackend._torch import packed_linear
+from dynamo_sizebackend.compile.rows import frozen_pays, symbolic_rows
 
 from ..nets import TinyTransformer, batch
 
@@ -68,7 +69,10 @@ def _sized_code(tmp_path, key):
 
 @pytest.mark.inductor
 @torch.no_grad()
-def test_real_defaults_compile_symbolic_rows_untuned_and_batch_only_tuned(real_defaults, tmp_path):
+def test_real_defaults_compile_symbolic_rows_untuned_and_batch_only_tuned(real_defaults, tmp_path,
+                                                                        monkeypatch):
+    # Where MKL's GEMM is measured no slower than oneDNN's (the CPU the rule was measured on).
+    monkeypatch.setattr(packed_linear, "onednn_faster", lambda rows, k, n: False)
     model = TinyTransformer(layers=1).eval()
     options = {"compile_sizes": [4], "cache_dir": None}
     untuned = torch.compile(model, backend="sizebackend", dynamic=True,
@@ -92,3 +96,54 @@ def test_real_defaults_compile_symbolic_rows_untuned_and_batch_only_tuned(real_d
     assert "sized_untuned_symbolic_rows" not in sb.stats().fallbacks
     sized = _sized_code(tmp_path / "marked", 4)
     assert len(sized) == 2 and all("_frozen_param" in code for code in sized)
+
+
+@pytest.mark.inductor
+@torch.no_grad()
+def test_symbolic_rows_keep_the_tuning_where_onednn_is_measured_faster(real_defaults, tmp_path,
+                                                                        monkeypatch):
+    measured = []
+
+    def faster(rows, k, n):
+        measured.append((rows, k, n))
+        return True
+
+    monkeypatch.setattr(packed_linear, "onednn_faster", faster)
+    model = TinyTransformer(layers=1).eval()
+    compiled = torch.compile(model, backend="sizebackend", dynamic=True,
+                             options={"compile_sizes": [4], "cache_dir": None,
+                                      "debug_dir": str(tmp_path)})
+    with sb.expect(compiles={"dynamic": 2, 4: 2}):
+        for n in (4, 3):
+            torch.testing.assert_close(compiled(batch(n)), model(batch(n)), **TOL)
+    assert "sized_untuned_symbolic_rows" not in sb.stats().fallbacks
+    sized = _sized_code(tmp_path, 4)
+    assert len(sized) == 2 and all("_frozen_param" in code for code in sized)
+    # Every linear measured at the rows Dynamo traced with (batch 4 x seq 8).
+    assert measured and {rows for rows, _, _ in measured} == {4 * 8}
+
+
+def test_frozen_pays_only_where_every_gemm_is_measured_faster(monkeypatch):
+    model = TinyTransformer(layers=1).eval()
+    answers = {}
+
+    def capture(gm, example_inputs):  # asked while Dynamo compiles, as the backend does
+        symbol = find_batch(gm, None).symbol
+
+        def ask(name, onednn, env="measure"):
+            monkeypatch.setattr(packed_linear, "onednn_faster", onednn)
+            monkeypatch.setenv("SIZEBACKEND_PACKED_LINEAR", env)
+            answers[name] = frozen_pays(gm, symbol)
+
+        answers["gemms"] = len(symbolic_rows(gm, symbol))
+        said = iter([True, False])
+        ask("one says MKL", lambda rows, k, n: next(said, True))
+        ask("all say oneDNN", lambda rows, k, n: True)
+        ask("switched off", lambda rows, k, n: True, env="torch")
+        return gm.forward
+
+    with torch.no_grad():
+        torch.compile(model, backend=capture, dynamic=True)(batch(3))
+    assert answers == {"gemms": answers["gemms"], "one says MKL": False, "all say oneDNN": True,
+                       "switched off": False}
+    assert answers["gemms"] >= 3
