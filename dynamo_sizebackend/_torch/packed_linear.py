@@ -117,6 +117,20 @@ def _install() -> None:
     op_class.pack_linear_weight, op_class.pack_linear = pack_linear_weight, pack_linear
 
 
+def onednn_wins(rows: Any, k: Any, n: Any, dtype: torch.dtype) -> bool | None:
+    """Whether a GEMM of ``rows`` x ``k`` by a ``k x n`` weight of ``dtype`` runs faster
+    on oneDNN's packed linear than on MKL's (:func:`onednn_faster`); ``None`` where that
+    is not measured: rows not a number, a weight not float32, no MKL to compare with, or
+    a kernel that will not run here."""
+    if not isinstance(rows, int) or dtype != torch.float32 or not torch._C.has_mkl:
+        return None
+    try:
+        return onednn_faster(rows, int(k), int(n))
+    except Exception as e:
+        log.debug("packed linear %d x %s x %s not measured (%s)", rows, k, n, e)
+        return None
+
+
 def _onednn_for(transpose_weight_node: Any, batch_size: Any) -> bool:
     """Whether a static float32 GEMM of ``batch_size`` rows by the weight under
     ``transpose_weight_node`` (the ``K x N`` operand of the matched ``mm``) is to be
@@ -127,15 +141,10 @@ def _onednn_for(transpose_weight_node: Any, batch_size: Any) -> bool:
         return False
     weight = transpose_weight_node.args[0] if transpose_weight_node.args else None
     value = getattr(weight, "meta", {}).get("val")
-    if (not isinstance(batch_size, int) or value is None or value.dim() != 2
-            or value.dtype != torch.float32 or not torch._C.has_mkl):
-        return False  # torch's own choice: oneDNN already, or nothing to compare
-    k, n = (int(d) for d in value.shape)
-    try:
-        faster = onednn_faster(batch_size, k, n)
-    except Exception as e:  # a kernel that will not run here: torch's choice, as before
-        log.debug("packed linear %d x %d x %d not measured (%s): torch's choice", batch_size,
-                  k, n, e)
+    if value is None or value.dim() != 2:
+        return False
+    faster = onednn_wins(batch_size, *value.shape, value.dtype)
+    if faster is None:  # torch's own choice: oneDNN already, or nothing to compare
         return False
     DECISIONS["onednn" if faster else "mkl"] += 1
     return faster

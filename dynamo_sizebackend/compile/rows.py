@@ -57,26 +57,23 @@ def frozen_pays(gm: torch.fx.GraphModule, batch_symbol) -> bool:
     unfrozen ``linear`` runs) at the rows the graph was traced with
     (:func:`.._torch.packed_linear.onednn_faster`). ``False`` where any is not, cannot
     be measured, or the measurement is switched off: the rule above stands."""
-    if not packed_linear.enabled() or not torch._C.has_mkl:
+    if not packed_linear.enabled():
         return False
     found = _symbolic_gemms(gm, batch_symbol)
     for node, rows, weight in found:
         hint = getattr(getattr(rows, "node", None), "hint", None)
         if (node.target not in (torch._C._nn.linear, torch.nn.functional.linear)
-                or not isinstance(hint, int) or not isinstance(weight, torch.Tensor)
-                or weight.dim() != 2 or weight.dtype != torch.float32):
+                or not isinstance(weight, torch.Tensor) or weight.dim() != 2):
             return False
-        n, k = (int(d) for d in weight.shape)
-        try:
-            if not packed_linear.onednn_faster(hint, k, n):
-                return False
-        except Exception:  # a kernel that does not run here: the rule stands
+        n, k = weight.shape
+        if not packed_linear.onednn_wins(hint, k, n, weight.dtype):
             return False
     return bool(found)
 
 
 def _symbolic_gemms(gm: torch.fx.GraphModule, batch_symbol) -> list[tuple[torch.fx.Node, Any, Any]]:
-    """``(node, rows, weight example)`` of every GEMM :func:`symbolic_rows` names."""
+    """``(node, rows, weight example)`` of every GEMM :func:`symbolic_rows` names (the
+    example Dynamo traced the weight node with, ``None`` where it recorded none)."""
     found = []
     for node in gm.graph.nodes:
         if not _is_gemm(node) or not node.args:
@@ -93,18 +90,8 @@ def _symbolic_gemms(gm: torch.fx.GraphModule, batch_symbol) -> list[tuple[torch.
         free = getattr(rows, "node", None)
         symbols = free.expr.free_symbols if free is not None else set()
         if symbols - {batch_symbol}:
-            found.append((node, rows, _example(gm, weight)))
+            found.append((node, rows, dynamo.placeholder_example(weight)))
     return found
-
-
-def _example(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Any:
-    """The tensor (or fake) a weight node stands for, ``None`` where unknown."""
-    if node.op == "get_attr":
-        value = gm
-        for part in str(node.target).split("."):
-            value = getattr(value, part, None)
-        return value
-    return dynamo.placeholder_example(node) if node.op == "placeholder" else None
 
 
 def _is_model_tensor(node) -> bool:
