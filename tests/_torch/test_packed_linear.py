@@ -22,9 +22,9 @@ def _mlp():
                                torch.nn.Linear(128, 32)).eval()
 
 
-def _sized_code(model):
+def _sized_code(model, cache_dir=None):
     compiled = torch.compile(model, backend="sizebackend",
-                             options={"compile_sizes": [ROWS], "cache_dir": None})
+                             options={"compile_sizes": [ROWS], "cache_dir": cache_dir})
     x = torch.randn(ROWS, 64)
     torch._dynamo.mark_dynamic(x, 0)
     with torch.no_grad():
@@ -34,15 +34,19 @@ def _sized_code(model):
 
 
 @pytest.mark.inductor
-@pytest.mark.parametrize("onednn, kernel, other", [
-    (True, "mkldnn._linear_pointwise", "mkl._mkl_linear"),
-    (False, "mkl._mkl_linear", "mkldnn._linear_pointwise"),
+@pytest.mark.parametrize("onednn, kernel, other, store", [
+    # As a user runs it: an artifact cache, the frozen piece served JIT while the
+    # package worker stores it for the next start.
+    (True, "mkldnn._linear_pointwise", "mkl._mkl_linear", True),
+    (False, "mkl._mkl_linear", "mkldnn._linear_pointwise", False),
 ])
 def test_the_measured_library_is_the_one_the_sized_piece_calls(
-        real_defaults, monkeypatch, onednn, kernel, other):
+        real_defaults, monkeypatch, tmp_path, onednn, kernel, other, store):
     monkeypatch.setattr(packed_linear, "onednn_faster", lambda rows, k, n: onednn)
     monkeypatch.setattr(packed_linear, "DECISIONS", type(packed_linear.DECISIONS)())
-    code = _sized_code(_mlp())
+    code = _sized_code(_mlp(), str(tmp_path) if store else None)
+    if store:
+        assert sb.wait_for_packages(timeout=600).stored == 1
     assert kernel in code and other not in code
     # Both linears of the size-16 piece were measured and decided (the general piece
     # is not frozen: nothing packed there).
