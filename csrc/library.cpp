@@ -2,20 +2,23 @@
 // kernels live next to their implementation in one TORCH_LIBRARY_IMPL per dispatch key.
 //
 // The shared object is also a Python extension module: importing it loads the library,
-// and it holds the FrozenGuard class (csrc/frozen_guard.cpp).
+// and it holds the FrozenGuard class (csrc/frozen_guard.cpp) and the packed-linear cache's
+// two functions (csrc/packed_linear.cpp).
 #include <torch/extension.h>
 
 #include <torch/library.h>
 
 namespace sizebackend {
 void bind_frozen_guard(pybind11::module_& m);  // csrc/frozen_guard.cpp
+void bind_packed_linear(pybind11::module_& m);  // csrc/packed_linear.cpp
 }
 
 // `from dynamo_sizebackend import _C` loads the .so, which runs the static registrars
-// below (the ops are then torch.ops.sizebackend.*), and gives the module its one class.
+// below (the ops are then torch.ops.sizebackend.*), and gives the module its class and functions.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Custom-op library of dynamo_sizebackend; importing it registers torch.ops.sizebackend.";
   sizebackend::bind_frozen_guard(m);
+  sizebackend::bind_packed_linear(m);
 }
 
 TORCH_LIBRARY(sizebackend, m) {
@@ -30,4 +33,7 @@ TORCH_LIBRARY(sizebackend, m) {
   // t's owner frees the memory. Only for memory a CUDA graph pool keeps reserved. The
   // result has a storage of its own, so to the dispatcher it aliases nothing.
   m.def("weak_ref(Tensor t) -> Tensor");
+  // linear(x, w, b) on a copy of w packed for oneDNN once and kept while w is unchanged
+  // (csrc/packed_linear.cpp); calls of fewer than min_rows rows run aten's linear.
+  m.def("packed_linear(Tensor x, Tensor w, Tensor? b, int min_rows) -> Tensor");
 }

@@ -94,6 +94,43 @@ def _measure(rows: int, k: int, n: int) -> bool:
     return faster
 
 
+#: Row counts at which :func:`runtime_min_rows` times a weight shape.
+RUNTIME_ROWS = (1, 2, 4, 16, 64)
+
+
+@functools.lru_cache(maxsize=None)
+def runtime_min_rows(k: int, n: int) -> int | None:
+    """The fewest rows from which ``sizebackend::packed_linear`` (oneDNN's GEMM on a
+    weight packed once) runs a ``k x n`` float32 linear in under :data:`MARGIN` of aten's
+    unpacked ``linear`` at every count of :data:`RUNTIME_ROWS` from there up; ``None``
+    where it does not win even at the largest (measured once per shape and process)."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    with torch.utils._python_dispatch._disable_current_modes():
+        wins = [_runtime_wins(rows, k, n) for rows in RUNTIME_ROWS]
+    least = None
+    for rows, win in zip(reversed(RUNTIME_ROWS), reversed(wins)):
+        if not win:
+            break
+        least = rows
+    return least
+
+
+def _runtime_wins(rows: int, k: int, n: int) -> bool:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, k, generator=generator)
+    weight = torch.randn(n, k, generator=generator)
+    bias = torch.randn(n, generator=generator)
+    with torch.no_grad():
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+        t_aten = _seconds(lambda: torch.nn.functional.linear(x, weight, bias))
+        t_onednn = _seconds(
+            lambda: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""))
+    log.debug("linear %d x %d x %d: oneDNN packed %.1f us, aten %.1f us", rows, k, n,
+              t_onednn * 1e6, t_aten * 1e6)
+    return t_onednn < MARGIN * t_aten
+
+
 def _install() -> None:
     from torch._inductor.fx_passes import mkldnn_fusion
 

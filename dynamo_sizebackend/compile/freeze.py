@@ -258,6 +258,7 @@ def weights_updated(module: torch.nn.Module | None = None) -> int:
         live, graphs = list(_LIVE), list(_GRAPHS)
     ids = None if tensors is None else {id(t) for t in tensors}
     retired = sum(graph.refreeze(ids) for graph in graphs)
+    _C.clear_packed_linears()  # linears packed at run time (compile/linears.py) pack again
     for frozen in live:
         if not frozen.retired and (tensors is None or frozen.holds_any(tensors)):
             frozen.retire()

@@ -28,7 +28,7 @@ from ..options import SizeBackendOptions
 from ..runtime import cudagraphs, padding
 from ..runtime.runner import Program, Runner, generated_forward
 from ..stats import COUNTERS
-from . import background, floats, freeze, guards, rows
+from . import background, floats, freeze, guards, linears, rows
 from .adaptor import (
     CompiledPiece,
     CompilerAdaptor,
@@ -100,6 +100,7 @@ class GraphCompiler:
         self._mutated: dict[str, frozenset[int]] = {}  # per piece, inputs it writes in place
         self._freezable: dict[str, freeze.Freezable] = {}  # see compile/freeze.py
         self._unfrozen: dict[str, freeze.Freezable] = {}  # changed once: inputs since
+        self._packable: set[str] = set()  # weights an unfrozen piece's linears may pack (linears.py)
         self._runner: weakref.ref[Runner] | None = None
 
     def _compile(self, name: str, gm, inputs, size, key, fake_mode=None, keep=None) -> CompiledPiece:
@@ -203,13 +204,16 @@ class GraphCompiler:
     def compile_general(self, sg: SplitGraph, inputs: dict[str, tuple], key: str) -> Program:
         pieces: dict[str, CompiledPiece] = {}
         counted_before = COUNTERS.snapshot().compiles.get(key, 0)
+        packed = 0
         for piece in sg.pieces:
             sub = getattr(sg.gm, piece.name)
             if piece.is_split_op:
                 pieces[piece.name] = sub.forward
                 continue
             try:
-                pieces[piece.name] = self._compile(piece.name, sub, inputs[piece.name], None, key)
+                compiled, count = self._packed_linears(sg, piece.name, sub)
+                pieces[piece.name] = self._compile(piece.name, compiled, inputs[piece.name], None, key)
+                packed += count
             except dynamo.dynamo_control_flow():
                 # Dynamo restarts analysis and sends a new graph; this attempt never ran.
                 now = COUNTERS.snapshot().compiles.get(key, 0)
@@ -218,7 +222,16 @@ class GraphCompiler:
             except Exception as e:  # counted, logged, visible in stats; strict raises
                 self.fallbacks.record(key, piece.name, e, uncompiled=True)
                 pieces[piece.name] = sub.forward
+        linears.log_packed(self.graph_id, key, packed)
         return Program(key, pieces)
+
+    def _packed_linears(self, sg: SplitGraph, name: str, sub: torch.fx.GraphModule
+                        ) -> tuple[torch.fx.GraphModule, int]:
+        """``sub``, or a copy whose linears run on weights packed at run time
+        (:mod:`.linears`) and how many: only while grad mode is off, as for freezing."""
+        if not self._packable or torch.is_grad_enabled():
+            return sub, 0
+        return linears.pack(sub, linears.piece_inputs_of(sg.gm, name, self._packable))
 
     def compile_size(
         self,
@@ -272,6 +285,7 @@ class GraphCompiler:
         # Recorded before anything compiles: a write during the compile is seen.
         frozen = freeze.FrozenWeights(frozen_names, frozen_now) if frozen_names else None
         pieces: dict[str, CompiledPiece] = {}
+        packed = 0
         for piece in sg.pieces:
             if piece.is_split_op:
                 pieces[piece.name] = getattr(general, piece.name)
@@ -282,6 +296,9 @@ class GraphCompiler:
             if plan is not None:
                 sub, keep, _ = plan
                 piece_inputs = [piece_inputs[i] for i in keep]
+            else:  # weights as inputs: their linears may run packed (linears.py)
+                sub, count = self._packed_linears(sg, piece.name, sub)
+                packed += count
             try:
                 example = concrete.convert(piece_inputs)
                 with session():
@@ -301,6 +318,7 @@ class GraphCompiler:
                 "sizebackend: graph %d: size %d pieces assume %s; calls that break it run "
                 "the general pieces", self.graph_id, size, check[0],
             )
+        linears.log_packed(self.graph_id, f"size-{size}", packed)
         captured = cudagraphs.captures_size(self.options, size)
         if captured:
             pieces = self._captured(sg, pieces, size)
@@ -329,10 +347,14 @@ class GraphCompiler:
         # Sized pieces that would compile exactly like these (eager, {}, rows untuned):
         # nothing to gain.
         size_one = size_one and self.adaptor.config_for(1) != self.adaptor.config_for(None)
-        if self.adaptor.config_for(0).get("freezing"):
-            self._freezable, inference = freeze.freezable_inputs(gm, example_inputs)
-            if inference:
-                freeze.not_frozen_inference(self.graph_id, inference)
+        freezes = bool(self.adaptor.config_for(0).get("freezing"))
+        if freezes or (device == "cpu" and self.options.compiler != "eager"):
+            weights, inference = freeze.freezable_inputs(gm, example_inputs)
+            self._packable = set(weights) if device == "cpu" else set()
+            if freezes:
+                self._freezable = weights
+                if inference:
+                    freeze.not_frozen_inference(self.graph_id, inference)
 
         fakes = [dynamo.placeholder_example(n) for n in gm.graph.nodes if n.op == "placeholder"]
         fake_mode = shape_env.graph_fake_mode(fakes)

@@ -1,5 +1,7 @@
-"""The ``sizebackend`` custom-op library: attention with an in-place KV-cache write, and
-``weak_ref`` (a non-owning view, for CUDA-graph outputs; see :func:`weak_ref`).
+"""The ``sizebackend`` custom-op library: attention with an in-place KV-cache write,
+``weak_ref`` (a non-owning view, for CUDA-graph outputs; see :func:`weak_ref`) and
+``packed_linear`` (a linear on a weight packed for oneDNN at run time; see
+:func:`packed_linear`).
 
 ``torch.ops.sizebackend.attention(q, k, v, k_cache, v_cache, slots, positions, scale)``
 is attention for a *flattened token batch*, the layout serving engines use: dim 0 of
@@ -52,7 +54,7 @@ except ImportError as error:  # pragma: no cover - only without a build
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["attention", "attention_reference", "has_weak_ref", "weak_ref"]
+__all__ = ["attention", "attention_reference", "has_weak_ref", "packed_linear", "weak_ref"]
 
 _OP = "sizebackend::attention"
 _PREFIX = f"{_OP}: "
@@ -253,3 +255,22 @@ def has_weak_ref() -> bool:
     """Whether the loaded ``_C`` has ``weak_ref`` (an extension built before the op was
     added does not; rebuild with ``pip install --no-build-isolation -e .``)."""
     return hasattr(torch.ops.sizebackend, "weak_ref")
+
+
+def packed_linear(x: Tensor, w: Tensor, b: Tensor | None = None, min_rows: int = 2) -> Tensor:
+    """``torch.nn.functional.linear(x, w, b)``, computed on a copy of ``w`` packed for
+    oneDNN's GEMM when ``x`` has at least ``min_rows`` rows (all dims but the last) and
+    everything is float32 on the CPU; aten's ``linear`` otherwise, and wherever gradients
+    are needed. The copy is made at the first such call and kept, process-wide, while
+    ``w`` is the same tensor with the same storage and version counter: an in-place
+    write packs it again at the next call. A write through ``w.data`` is not seen; after
+    one, :func:`dynamo_sizebackend.weights_updated` drops every copy
+    (``csrc/packed_linear.cpp``; ``compile/linears.py`` says where the backend uses it)."""
+    return torch.ops.sizebackend.packed_linear.default(x, w, b, min_rows)
+
+
+@torch.library.register_fake("sizebackend::packed_linear")
+def _packed_linear_fake(x: Tensor, w: Tensor, b: Tensor | None, min_rows: int) -> Tensor:
+    torch._check(x.shape[-1] == w.shape[1], lambda: (
+        f"sizebackend::packed_linear: x has {x.shape[-1]} features, w takes {w.shape[1]}"))
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
