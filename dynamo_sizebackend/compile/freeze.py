@@ -250,7 +250,9 @@ def weights_updated(module: torch.nn.Module | None = None) -> int:
     the tensor or a view of it) need no call; but each such change makes the tensor an
     input of the sized pieces from then on (one recompile, however often it changes).
     This call also lifts that for the module's tensors: after a checkpoint reload, it
-    has the sizes frozen again, with the new values."""
+    has the sizes frozen again, with the new values. It also drops every weight copy
+    packed at run time for the unfrozen pieces' linears (``compile/linears.py``), of
+    any module: each is packed again, from the current values, at its next call."""
     tensors = None
     if module is not None:
         tensors = list(module.parameters()) + list(module.buffers())
