@@ -22,6 +22,12 @@ torch's own choice stands. ``SIZEBACKEND_PACKED_LINEAR=torch`` leaves every choi
 torch. Other callers of Inductor in the process are not touched (a thread-scoped hook,
 like ``_torch/autotune.py``'s). A frozen piece is never served from Inductor's FX graph
 cache (it skips graphs with frozen constants), so a choice is never read back stale.
+
+The same question for the pieces that are not frozen (``compile/linears.py``): from how
+many rows oneDNN's GEMM on a weight packed at run time beats aten's unpacked ``linear``
+(:func:`runtime_min_rows`). That answer is part of the piece's graph (an argument of
+``sizebackend::packed_linear``), so a piece compiled on another CPU, or with another
+answer, has another cache key.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """_torch.packed_linear: a frozen sized piece's static float32 GEMMs are packed for the
 library measured faster on this CPU (oneDNN or MKL); torch's own choice everywhere
-else. The measurement itself is timing, so these tests fix its answer and check what
+else. And the row count from which an unfrozen piece's linears run on weights packed
+at run time (compile/linears.py). The measurement itself is timing, so these tests fix its answer and check what
 each answer compiles to, through the backend with its real defaults."""
 import pytest
 import torch
@@ -76,3 +77,28 @@ def test_a_measurement_is_taken_once_per_shape():
     assert isinstance(first, bool)
     assert packed_linear.onednn_faster(4, 32, 16) is first
     assert packed_linear.onednn_faster.cache_info().hits == 1
+
+
+@pytest.mark.parametrize("wins, least", [
+    ((False, True, True, True, True), 2),
+    ((True, False, True, True, True), 4),  # from where oneDNN wins at every count above
+    ((True, True, True, True, True), 1),
+    ((True, True, True, True, False), None),  # loses at the most rows measured: never
+    ((False,) * 5, None),
+])
+def test_run_time_packing_starts_where_onednn_wins_from_there_up(monkeypatch, wins, least):
+    answers = dict(zip(packed_linear.RUNTIME_ROWS, wins))
+    monkeypatch.setattr(packed_linear, "_runtime_wins", lambda rows, k, n: answers[rows])
+    packed_linear.runtime_min_rows.cache_clear()
+    try:
+        assert packed_linear.runtime_min_rows(32, 16) == least
+    finally:
+        packed_linear.runtime_min_rows.cache_clear()
+
+
+def test_the_run_time_measurement_is_taken_once_per_shape():
+    packed_linear.runtime_min_rows.cache_clear()
+    first = packed_linear.runtime_min_rows(32, 16)
+    assert first is None or first in packed_linear.RUNTIME_ROWS
+    assert packed_linear.runtime_min_rows(32, 16) == first
+    assert packed_linear.runtime_min_rows.cache_info().hits == 1

@@ -145,6 +145,16 @@ def test_left_alone_where_aten_is_as_fast(onednn_from):
 
 
 @torch.no_grad()
+def test_left_alone_where_the_measurement_fails(monkeypatch):
+    def fails(k, n):
+        raise RuntimeError("no oneDNN kernel here")
+
+    monkeypatch.setattr(packed_linear, "runtime_min_rows", fails)
+    _left_alone(TinyTransformer(layers=1).eval(), batch(3))
+    assert sb.stats().fallbacks == {}  # the pieces compiled, with aten's linears
+
+
+@torch.no_grad()
 def test_left_alone_when_switched_off(onednn_from, monkeypatch):
     onednn_from(2)
     monkeypatch.setenv("SIZEBACKEND_PACKED_LINEAR", "torch")
