@@ -35,6 +35,15 @@ def test_matches_aten_linear(shape, bias):
     assert _packs() == before + 1  # packed once, at the first call
 
 
+@pytest.mark.parametrize("layout", ["transposed", "strided"])
+def test_non_contiguous_weights_and_inputs(layout):
+    torch.manual_seed(0)
+    w = torch.randn(32, 48).t() if layout == "transposed" else torch.randn(48, 64)[:, ::2]
+    x = torch.randn(32, 5).t()
+    with torch.no_grad():
+        torch.testing.assert_close(packed_linear(x, w, None, 1), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
 def test_fewer_rows_than_asked_run_aten_unpacked():
     w, b = _weights()
     x = torch.randn(3, 32)
