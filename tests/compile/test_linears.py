@@ -178,3 +178,35 @@ def test_left_alone_for_a_model_built_under_inference_mode(onednn_from):
     with torch.inference_mode():
         model = TinyTransformer(layers=1).eval()
         _left_alone(model, batch(3))
+
+
+@torch.no_grad()
+def test_hugging_face_generate_with_the_real_defaults(real_defaults, onednn_from):
+    """README recipe 1 (``model.forward`` compiled, static cache) on a random-weight HF
+    Llama: batch 3 is not listed and runs the general pieces, packed; then a checkpoint
+    reload, which both the packed copies and the frozen size 2 must follow."""
+    pytest.importorskip("transformers")
+    from ..models.test_hf_generate import counting_forward, generate, prompt, tiny_llama
+
+    onednn_from(1)
+    model = tiny_llama()
+    scenario = [prompt(2, 0), prompt(3, 0), prompt(3, 1)]
+    expected = [generate(model, inputs, cache_implementation="static") for inputs in scenario]
+    model.forward = counting_forward(model, {"compile_sizes": [2], "cache_dir": None})
+    (first, *rest), code = run_and_get_code(
+        lambda: [generate(model, inputs, cache_implementation="static") for inputs in scenario])
+    assert all(torch.equal(a, b) for a, b in zip([first, *rest], expected))
+    assert OP + "(" in "\n".join(code)
+    # Nothing failed or went stale; whether the prefill graph's size 2 is tuned is the
+    # rows measurement's call (compile/rows.py), not this test's.
+    assert set(sb.stats().fallbacks) <= {"sized_untuned_symbolic_rows"}
+    assert sb.stats().calls.get("dynamic", 0) > 0  # batch 3 ran the general pieces
+
+    torch.manual_seed(1)
+    fresh = {k: torch.randn_like(v) * 0.02 for k, v in model.state_dict().items()}
+    reference = tiny_llama()
+    reference.load_state_dict(fresh)
+    model.load_state_dict(fresh)  # in place: new values in the same tensors
+    for inputs in (prompt(3, 0), prompt(2, 0)):
+        want = generate(reference, inputs, cache_implementation="static")
+        assert torch.equal(generate(model, inputs, cache_implementation="static"), want)
