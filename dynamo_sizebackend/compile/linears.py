@@ -72,8 +72,7 @@ def pack(
         found = _linear(node, weights)
         if found is None:
             continue
-        x, w, b = found
-        n, k = _example(w).shape
+        n, k = _example(found[1]).shape
         try:
             rows = min_rows(int(k), int(n))
         except Exception as e:  # a kernel that will not run here: aten's linear stays
