@@ -31,9 +31,12 @@ answer, has another cache key.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 import logging
 import os
+import tempfile
 import time
 from collections import Counter
 from typing import Any, Callable
@@ -109,9 +112,36 @@ def runtime_min_rows(k: int, n: int) -> int | None:
     """The fewest rows from which ``sizebackend::packed_linear`` (oneDNN's GEMM on a
     weight packed once) runs a ``k x n`` float32 linear in under :data:`MARGIN` of aten's
     unpacked ``linear`` at every count of :data:`RUNTIME_ROWS` from there up; ``None``
-    where it does not win even at the largest (measured once per shape and process)."""
+    where it does not win even at the largest.
+
+    Measured once per machine, not per process: the answer is part of the piece's graph,
+    so processes that share a cache folder must agree on it, or a server's workers
+    starting together (each timing on cores the others load) would compile different
+    pieces, miss each other's cache entries and run different code. The first process
+    to ask measures under a lock and writes the answer down in
+    ``<Inductor cache>/sizebackend/linear_rows/``, keyed by the CPU, torch, the thread
+    count and the rule; the others wait for it and read it. Where that folder cannot be
+    used, each process measures for itself."""
     if not torch.backends.mkldnn.is_available():
         return None
+    path = _remembered_path(k, n)
+    if path is None:
+        return _measure_min_rows(k, n)
+    with _machine_lock(path + ".lock"):
+        found = _read_rows(path)
+        if found is not _MISSING:
+            return found
+        rows = _measure_min_rows(k, n)
+        _write_rows(path, rows)
+        return rows
+
+
+_MISSING = object()
+#: Seconds a process waits for another one's measurement before measuring itself.
+LOCK_WAIT_S = 120.0
+
+
+def _measure_min_rows(k: int, n: int) -> int | None:
     with torch.utils._python_dispatch._disable_current_modes():
         wins = [_runtime_wins(rows, k, n) for rows in RUNTIME_ROWS]
     least = None
@@ -120,6 +150,75 @@ def runtime_min_rows(k: int, n: int) -> int | None:
             break
         least = rows
     return least
+
+
+def _remembered_path(k: int, n: int) -> str | None:
+    """Where the answer for ``k x n`` on this machine is written down; ``None`` without
+    a CPU description to key it on."""
+    import hashlib
+
+    from .inductor import inductor_cache_dir
+    from .isa_probe import _cpu_description
+
+    cpu = _cpu_description()
+    if cpu is None:
+        return None
+    h = hashlib.sha256()
+    for part in (cpu, torch.__version__, str(torch.get_num_threads()), str(RUNTIME_ROWS),
+                 str(MARGIN), str(BUDGET_S), f"{k}x{n}"):
+        h.update(b"\0" + part.encode())
+    return os.path.join(inductor_cache_dir(), "sizebackend", "linear_rows", h.hexdigest())
+
+
+@contextlib.contextmanager
+def _machine_lock(path: str):
+    """An exclusive ``flock`` on ``path`` (released by the OS however its holder exits),
+    waited for up to :data:`LOCK_WAIT_S`; without it (a folder that cannot hold the
+    file, a holder that takes too long) the block runs unlocked."""
+    import fcntl
+
+    fd = None
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    log.info("sizebackend: another process has measured %s for over %.0f s; "
+                             "measuring here too", path, LOCK_WAIT_S)
+                    break
+                time.sleep(0.05)
+    except OSError as e:
+        log.debug("sizebackend: no lock for %s (%s)", path, e)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _read_rows(path: str) -> Any:
+    """The answer written at ``path`` (an int or ``None``), or :data:`_MISSING`."""
+    try:
+        with open(path) as f:
+            value = json.load(f)["min_rows"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return _MISSING
+    return value if value is None or isinstance(value, int) else _MISSING
+
+
+def _write_rows(path: str, rows: int | None) -> None:
+    try:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"min_rows": rows}, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.debug("sizebackend: cannot write down %s (%s)", path, e)
 
 
 def _runtime_wins(rows: int, k: int, n: int) -> bool:

@@ -79,6 +79,15 @@ def test_a_measurement_is_taken_once_per_shape():
     assert packed_linear.onednn_faster.cache_info().hits == 1
 
 
+@pytest.fixture
+def own_folder(tmp_path, monkeypatch):
+    """Run-time packing answers written down in a folder of this test's own."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    packed_linear.runtime_min_rows.cache_clear()
+    yield tmp_path
+    packed_linear.runtime_min_rows.cache_clear()
+
+
 @pytest.mark.parametrize("wins, least", [
     ((False, True, True, True, True), 2),
     ((True, False, True, True, True), 4),  # from where oneDNN wins at every count above
@@ -86,19 +95,58 @@ def test_a_measurement_is_taken_once_per_shape():
     ((True, True, True, True, False), None),  # loses at the most rows measured: never
     ((False,) * 5, None),
 ])
-def test_run_time_packing_starts_where_onednn_wins_from_there_up(monkeypatch, wins, least):
+def test_run_time_packing_starts_where_onednn_wins_from_there_up(own_folder, monkeypatch, wins, least):
     answers = dict(zip(packed_linear.RUNTIME_ROWS, wins))
     monkeypatch.setattr(packed_linear, "_runtime_wins", lambda rows, k, n: answers[rows])
-    packed_linear.runtime_min_rows.cache_clear()
-    try:
-        assert packed_linear.runtime_min_rows(32, 16) == least
-    finally:
-        packed_linear.runtime_min_rows.cache_clear()
+    assert packed_linear.runtime_min_rows(32, 16) == least
 
 
-def test_the_run_time_measurement_is_taken_once_per_shape():
+def test_the_run_time_measurement_is_taken_once_per_machine(own_folder, monkeypatch):
+    measured = []
+
+    def wins(rows, k, n):
+        measured.append(rows)
+        return rows >= 4
+
+    monkeypatch.setattr(packed_linear, "_runtime_wins", wins)
+    assert packed_linear.runtime_min_rows(32, 16) == 4
+    assert len(measured) == len(packed_linear.RUNTIME_ROWS)
+    packed_linear.runtime_min_rows.cache_clear()  # as a new process starts
+    assert packed_linear.runtime_min_rows(32, 16) == 4
+    assert len(measured) == len(packed_linear.RUNTIME_ROWS)  # read back, not measured
     packed_linear.runtime_min_rows.cache_clear()
-    first = packed_linear.runtime_min_rows(32, 16)
-    assert first is None or first in packed_linear.RUNTIME_ROWS
-    assert packed_linear.runtime_min_rows(32, 16) == first
-    assert packed_linear.runtime_min_rows.cache_info().hits == 1
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 97)  # another thread count
+    assert packed_linear.runtime_min_rows(32, 16) == 4
+    assert len(measured) == 2 * len(packed_linear.RUNTIME_ROWS)
+
+
+_CHILD = """
+import sys, time
+import torch
+from dynamo_sizebackend._torch import packed_linear
+
+index = int(sys.argv[1])
+
+def wins(rows, k, n):  # each process would answer differently on its own
+    time.sleep(0.05)
+    return index == 0
+
+packed_linear._runtime_wins = wins
+print(packed_linear.runtime_min_rows(32, 16))
+"""
+
+
+def test_processes_starting_together_agree(own_folder):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(own_folder)}
+    children = [subprocess.Popen([sys.executable, "-c", _CHILD, str(i)], env=env,
+                                 stdout=subprocess.PIPE, text=True) for i in range(3)]
+    answers = []
+    for child in children:
+        out, _ = child.communicate(timeout=300)
+        assert child.returncode == 0
+        answers.append(out.strip())
+    assert len(set(answers)) == 1 and answers[0] in ("1", "None"), answers
