@@ -43,6 +43,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..filelock import lock_within
 from .hooks import ThreadScopedHook
 
 log = logging.getLogger(__name__)
@@ -175,23 +176,13 @@ def _machine_lock(path: str):
     """An exclusive ``flock`` on ``path`` (released by the OS however its holder exits),
     waited for up to :data:`LOCK_WAIT_S`; without it (a folder that cannot hold the
     file, a holder that takes too long) the block runs unlocked."""
-    import fcntl
-
     fd = None
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        deadline = time.monotonic() + LOCK_WAIT_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    log.info("sizebackend: another process has measured %s for over %.0f s; "
-                             "measuring here too", path, LOCK_WAIT_S)
-                    break
-                time.sleep(0.05)
+        if not lock_within(fd, LOCK_WAIT_S):
+            log.info("sizebackend: another process has measured %s for over %.0f s; "
+                     "measuring here too", path, LOCK_WAIT_S)
     except OSError as e:
         log.debug("sizebackend: no lock for %s (%s)", path, e)
     try:

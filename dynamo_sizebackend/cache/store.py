@@ -54,6 +54,7 @@ import torch.fx
 
 from .. import _torch
 from .._torch import inductor
+from ..filelock import lock_within
 from ..stats import COUNTERS
 from .key import piece_key
 
@@ -430,7 +431,7 @@ class PieceCache:
         except OSError:
             return Claim(None)
         try:
-            if not _lock(fd, LOCK_WAIT_SECONDS):
+            if not lock_within(fd, LOCK_WAIT_SECONDS):
                 self.skip("lock_timeout", "another process has compiled %s for over %.0f s; "
                           "compiling it here too", name, LOCK_WAIT_SECONDS)
         except BaseException:
@@ -456,23 +457,6 @@ class Claim:
             fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)  # closing releases the lock
-
-
-def _lock(fd: int, wait: float) -> bool:
-    """Take an exclusive lock on ``fd`` within ``wait`` seconds; whether it was taken."""
-    import fcntl
-
-    deadline = time.monotonic() + wait
-    delay = 0.01
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(delay)
-            delay = min(delay * 2, 0.25)
 
 
 def returns_one_value(gm: torch.fx.GraphModule) -> bool:
