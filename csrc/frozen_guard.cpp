@@ -18,6 +18,8 @@
 #include <torch/extension.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include "tensor_state.h"
+
 #include <cstdint>
 #include <vector>
 
@@ -29,10 +31,7 @@ namespace {
 struct Recorded {
   py::object object;  // held: an id may not be reused by another object while we compare it
   at::Tensor tensor;
-  const c10::StorageImpl* storage;
-  const void* data;
-  int64_t offset;
-  uint32_t version;
+  TensorState state;
 };
 
 class FrozenGuard {
@@ -49,9 +48,8 @@ class FrozenGuard {
       TORCH_CHECK(THPVariable_Check(item.ptr()), "FrozenGuard: not a tensor");
       const at::Tensor& t = THPVariable_Unpack(item.ptr());
       TORCH_CHECK(!t.is_inference(), "FrozenGuard: inference tensors have no version counter");
-      recorded_.push_back(Recorded{
-          py::reinterpret_borrow<py::object>(item), t, storage_of(t), data_of(t),
-          t.storage_offset(), t._version()});
+      recorded_.push_back(
+          Recorded{py::reinterpret_borrow<py::object>(item), t, TensorState::of(t)});
     }
   }
 
@@ -96,15 +94,6 @@ class FrozenGuard {
   size_t size() const { return positions_.size(); }
 
  private:
-  static const c10::StorageImpl* storage_of(const at::Tensor& t) {
-    // unsafe_storage(): a reference, no refcount traffic on the hot path.
-    return t.has_storage() ? t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl()
-                           : nullptr;
-  }
-  static const void* data_of(const at::Tensor& t) {
-    return t.has_storage() ? t.unsafeGetTensorImpl()->unsafe_storage().data() : nullptr;
-  }
-
   bool same(size_t i, PyObject* args, Py_ssize_t n) const {
     const Py_ssize_t position = positions_[i];
     if (position >= n) {
@@ -114,8 +103,7 @@ class FrozenGuard {
     if (PyTuple_GET_ITEM(args, position) != r.object.ptr()) {
       return false;
     }
-    return r.tensor._version() == r.version && storage_of(r.tensor) == r.storage &&
-        data_of(r.tensor) == r.data && r.tensor.unsafeGetTensorImpl()->storage_offset() == r.offset;
+    return r.state.matches(r.tensor);
   }
 
   std::vector<Py_ssize_t> positions_;

@@ -8,9 +8,10 @@
 // weight's values, which a compile with weights as inputs never has; this op packs at
 // run time instead, once per weight, and packs again when the weight changes.
 //
-// "As it was" is the check csrc/frozen_guard.cpp makes for frozen pieces: the same
-// TensorImpl (held weakly here, so its address cannot be reused by another tensor while
-// the entry lives), storage, data pointer, offset, sizes, strides and version counter.
+// "As it was" is the check csrc/frozen_guard.cpp makes for frozen pieces (the same
+// TensorState, csrc/tensor_state.h: storage, data pointer, offset, version counter), on
+// the same TensorImpl (held weakly here, so its address cannot be reused by another
+// tensor while the entry lives) with the same sizes and strides.
 // An in-place write (`w.mul_(2)`, `load_state_dict`, an optimizer step, a write through
 // a view) bumps the version: the next call packs again. A write through `w.data` is not
 // seen (`.data` has a counter of its own): `weights_updated()` empties the cache for it.
@@ -25,6 +26,8 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include "tensor_state.h"
+
 #include <mutex>
 #include <optional>
 #include <string_view>
@@ -36,11 +39,8 @@ namespace {
 
 struct Packed {
   c10::weak_intrusive_ptr<c10::TensorImpl> weight;  // keeps the address ours, not the data
-  const c10::StorageImpl* storage;
-  const void* data;
-  int64_t offset;
+  TensorState state;
   std::vector<int64_t> sizes, strides;
-  uint32_t version;
   at::Tensor packed;
 };
 
@@ -55,18 +55,8 @@ Cache& cache() {
   return *c;
 }
 
-const c10::StorageImpl* storage_of(const at::Tensor& t) {
-  return t.has_storage() ? t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl()
-                         : nullptr;
-}
-
-const void* data_of(const at::Tensor& t) {
-  return t.has_storage() ? t.unsafeGetTensorImpl()->unsafe_storage().data() : nullptr;
-}
-
 bool current(const Packed& p, const at::Tensor& w) {
-  return !p.weight.expired() && p.version == w._version() && p.storage == storage_of(w) &&
-      p.data == data_of(w) && p.offset == w.storage_offset() && w.sizes().equals(p.sizes) &&
+  return !p.weight.expired() && p.state.matches(w) && w.sizes().equals(p.sizes) &&
       w.strides().equals(p.strides);
 }
 
@@ -111,8 +101,8 @@ at::Tensor packed_weight(const at::Tensor& w, int64_t rows) {
   }
   ++c.packs;
   Packed entry{
-      c10::weak_intrusive_ptr<c10::TensorImpl>(w.getIntrusivePtr()), storage_of(w), data_of(w),
-      w.storage_offset(), w.sizes().vec(), w.strides().vec(), w._version(), packed};
+      c10::weak_intrusive_ptr<c10::TensorImpl>(w.getIntrusivePtr()), TensorState::of(w),
+      w.sizes().vec(), w.strides().vec(), packed};
   if (known) {
     found->second = std::move(entry);
   } else {
