@@ -29,6 +29,10 @@ import torch.fx
 from torch._dynamo.convert_frame import compile_lock as COMPILE_LOCK  # noqa: E402
 
 
+#: How Dynamo's graphs spell ``linear`` (``F.linear`` arrives as the C++ builtin).
+LINEARS = (torch._C._nn.linear, torch.nn.functional.linear)
+
+
 def placeholder_example(node: torch.fx.Node) -> Any:
     """The fake value Dynamo traced this placeholder with (FakeTensor, SymInt or int)."""
     meta = node.meta

@@ -31,8 +31,8 @@ import logging
 import os
 import platform
 import sys
-import tempfile
 
+from ..filelock import write_atomically
 from .hooks import ProcessScopedHook
 
 log = logging.getLogger("dynamo_sizebackend")
@@ -133,11 +133,7 @@ def _write_mark(mark: str) -> None:
     """Create ``mark`` atomically; a folder that cannot be written only costs the next
     process its probe."""
     try:
-        os.makedirs(os.path.dirname(mark), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(mark), prefix=".tmp-")
-        with os.fdopen(fd, "w") as f:
-            f.write("loaded\n")
-        os.replace(tmp, mark)
+        write_atomically(mark, "loaded\n")
     except OSError as e:
         log.debug("sizebackend: cannot remember the vector ISA probe in %s (%s)", mark, e)
 

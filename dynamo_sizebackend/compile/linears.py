@@ -35,13 +35,9 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.fx
 
-from .._torch import packed_linear
+from .._torch import dynamo, packed_linear
 
 log = logging.getLogger(__name__)
-
-#: How Dynamo's graphs spell ``linear``.
-_LINEARS = (torch._C._nn.linear, torch.nn.functional.linear)
-
 
 def piece_inputs_of(split_gm: torch.fx.GraphModule, name: str, names: Iterable[str]) -> set[str]:
     """The placeholders of piece ``name`` that receive one of the top-level inputs
@@ -79,15 +75,14 @@ def pack(
             log.debug("linear %s x %s not measured (%s): left to aten", k, n, e)
             rows = None
         if rows is not None:
-            plans.append((node, rows))
+            plans.append((node, found, rows))
     if not plans:
         return piece, 0
     graph = torch.fx.Graph()
     copies: dict[torch.fx.Node, torch.fx.Node] = {}
     graph.output(graph.graph_copy(piece.graph, copies))
-    for node, rows in plans:
+    for node, (x, w, b), rows in plans:
         copy = copies[node]
-        x, w, b = _linear(node, weights)
         args = (copies[x], copies[w], copies[b] if isinstance(b, torch.fx.Node) else None, rows)
         with graph.inserting_before(copy):
             packed = graph.call_function(torch.ops.sizebackend.packed_linear.default, args)
@@ -100,7 +95,7 @@ def pack(
 
 def _linear(node: torch.fx.Node, weights: set[str]) -> tuple[Any, Any, Any] | None:
     """``(x, w, b)`` of a float32 CPU ``linear`` node on one of ``weights``, else ``None``."""
-    if node.op != "call_function" or node.target not in _LINEARS:
+    if node.op != "call_function" or node.target not in dynamo.LINEARS:
         return None
     args = list(node.args) + [None] * (3 - len(node.args))
     x = node.kwargs.get("input", args[0])

@@ -36,8 +36,7 @@ from . import failures
 log = logging.getLogger(__name__)
 
 #: Dynamo-graph calls whose first argument is a GEMM's activation (rows x K).
-_GEMMS = {torch._C._nn.linear, torch.nn.functional.linear, torch.matmul, torch.mm,
-          torch.addmm, operator.matmul}
+_GEMMS = {*dynamo.LINEARS, torch.matmul, torch.mm, torch.addmm, operator.matmul}
 _GEMM_METHODS = {"matmul", "mm", "__matmul__"}
 
 
@@ -62,7 +61,7 @@ def frozen_pays(gm: torch.fx.GraphModule, batch_symbol) -> bool:
     found = _symbolic_gemms(gm, batch_symbol)
     for node, rows, weight in found:
         hint = getattr(getattr(rows, "node", None), "hint", None)
-        if (node.target not in (torch._C._nn.linear, torch.nn.functional.linear)
+        if (node.target not in dynamo.LINEARS
                 or not isinstance(weight, torch.Tensor) or weight.dim() != 2):
             return False
         n, k = weight.shape
