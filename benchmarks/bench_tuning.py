@@ -17,6 +17,9 @@ Candidates (``--candidates``, comma-separated; ``all`` for every one):
   freeze         constant (frozen, prepacked) weights
   freeze+autotune   both: the CPU default (options.SIZED_DEFAULTS["cpu"])
   freeze+concat  constant weights with q/k/v and gate/up linears concatenated
+  freeze+autotune+cpp_wrapper   the CPU default with Inductor's C++ wrapper
+  freeze+autotune+concat   the CPU default with q/k/v and gate/up concatenated
+  freeze+autotune+grouped   the CPU default with Inductor's grouped GEMM template
   freeze+autotune-full   the CPU default with Inductor's full GEMM search
                  (``prune_autotune=False``): what pruning costs in speed, and saves in
                  compile time
@@ -55,6 +58,9 @@ CANDIDATES = {
     "freeze+autotune": dict(SIZED_DEFAULTS["cpu"]),
     "freeze+concat": {"freezing": True, "cpp.enable_concat_linear": True},
     "freeze+autotune-full": dict(SIZED_DEFAULTS["cpu"]),
+    "freeze+autotune+cpp_wrapper": {**SIZED_DEFAULTS["cpu"], "cpp_wrapper": True},
+    "freeze+autotune+concat": {**SIZED_DEFAULTS["cpu"], "cpp.enable_concat_linear": True},
+    "freeze+autotune+grouped": {**SIZED_DEFAULTS["cpu"], "cpp.enable_grouped_gemm_template": True},
 }
 #: Backend options a candidate sets besides its Inductor patches.
 BACKEND_OPTIONS = {"freeze+autotune-full": {"prune_autotune": False}}

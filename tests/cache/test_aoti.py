@@ -4,8 +4,9 @@ case an earlier attempt got wrong); a package it cannot verify runs on torch's l
 counted in ``fallbacks["aot_unaligned"]``.
 
 Real Inductor and AOTInductor compiles with the sized options a user gets (freezing and
-max-autotune: the C++ GEMM template packs each weight per GEMM), of a SwiGLU block:
-one piece, three GEMMs whose packed weights share one FQN; and with freezing alone,
+max-autotune: the C++ GEMM template packs each weight per GEMM), of a chain of three
+linears: one piece, three GEMMs whose packed weights share one FQN (no two GEMMs share
+an input, so the default's concatenation of such linears leaves all three); and with freezing alone,
 whose weights oneDNN packs into opaque tensors.
 """
 from __future__ import annotations
@@ -27,15 +28,15 @@ from dynamo_sizebackend.cache.store import DiskCache
 from ..nets import MLP, compile_sb
 
 
-class SwiGLU(nn.Module):
+class Chain(nn.Module):
     def __init__(self, dim: int = 32, hidden: int = 64):
         super().__init__()
-        self.gate = nn.Linear(dim, hidden, bias=False)
-        self.up = nn.Linear(dim, hidden, bias=False)
-        self.down = nn.Linear(hidden, dim, bias=False)
+        self.inner = nn.Linear(dim, hidden, bias=False)
+        self.middle = nn.Linear(hidden, hidden, bias=False)
+        self.outer = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x):
-        return x + self.down(F.silu(self.gate(x)) * self.up(x))
+        return x + self.outer(F.silu(self.middle(F.silu(self.inner(x)))))
 
 
 OPTIONS = {"compile_sizes": [4], "store_frozen": "inline"}
@@ -85,7 +86,7 @@ def _no_shared_pieces():
 @torch.no_grad()
 def test_packages_run_on_aligned_constants_each_its_own(real_defaults, tmp_path, monkeypatch):
     torch.manual_seed(0)
-    model = SwiGLU().eval()
+    model = Chain().eval()
     cache = tmp_path / "cache"
     with sb.expect(compiles={"dynamic": 1, 4: 1}, cache_misses=2, fallbacks={}):
         cold = _serve(model, cache)

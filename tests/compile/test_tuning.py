@@ -283,3 +283,39 @@ def test_template_sources_are_parsed_once_only_inside_our_compiles():
         thread.join()
         assert elsewhere[0] is not first and elsewhere[0].render(a=2, b="z") == "2 and z"
     assert KernelTemplate._template_from_string(source) is not first
+
+
+class SwiGLU(torch.nn.Module):
+    """Llama's MLP: two linears of one input (gate, up), then a third."""
+
+    def __init__(self, dim: int = 32, hidden: int = 64):
+        super().__init__()
+        self.gate = torch.nn.Linear(dim, hidden, bias=False)
+        self.up = torch.nn.Linear(dim, hidden, bias=False)
+        self.down = torch.nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+@pytest.mark.inductor
+@torch.no_grad()
+def test_the_default_concatenates_linears_of_one_input(real_defaults, monkeypatch):
+    # The CPU default concatenates frozen linears that share their input (gate and up
+    # here; q, k and v in attention) into one GEMM. Every static GEMM of a sized piece is
+    # measured by packed_linear (pinned here): the shapes it saw are the GEMMs compiled.
+    from dynamo_sizebackend._torch import packed_linear
+
+    gemms = []
+    monkeypatch.setattr(packed_linear, "onednn_faster",
+                        lambda rows, k, n: gemms.append((rows, k, n)) or True)
+    torch.manual_seed(0)
+    model = SwiGLU().eval()
+    compiled = torch.compile(model, backend="sizebackend",
+                             options={"compile_sizes": [16], "cache_dir": None})
+    x = torch.randn(16, 32)
+    torch._dynamo.mark_dynamic(x, 0)
+    torch.testing.assert_close(compiled(x), model(x), **TOL)
+    # 16 rows: only aten's GEMM is a candidate (autotune.ATEN_ONLY_MIN_ROWS), no template built.
+    assert sorted(gemms) == [(16, 32, 2 * 64), (16, 64, 32)]
+    assert sb.stats().compiles == {"dynamic": 1, "16": 1}
