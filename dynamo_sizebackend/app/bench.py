@@ -227,7 +227,13 @@ def make_variant(name: str, model: SizeLlama, compiler: str, sizes: list[int],
     if name == "dynamic":
         return torch.compile(model, backend=backend, dynamic=True)
     if name in PEERS:
-        return PeerForward(name, model, sizes, compiler)
+        # specialize_on as its documentation marks it: the token dim alone, on a
+        # default torch.compile. Under dynamic=True torch 2.13 also traces the RMSNorms'
+        # float eps as a symbolic input, and every specialization then fails to compile
+        # (AOTAutograd runs the eps' `.item()` on a fake tensor: DataDependentOutputException,
+        # reported as "AttributeError: 'NoneType' object has no attribute 'f_code'").
+        return PeerForward(name, model, sizes, compiler,
+                           batch_only=name.startswith("specialize"))
     options = {**(extra or {}), **SB_VARIANTS[name], "compile_sizes": sizes,
                "compiler": compiler}
     return torch.compile(model, backend="sizebackend", dynamic=True, options=options)

@@ -61,8 +61,9 @@ class PeerForward:
                  keep_sources: bool = True, batch_only: bool = False):
         self.name = name
         self.sizes = list(sizes)
-        # batch_only: dim 0 of the first call's tokens is the only dynamic dim (default
-        # dynamic=None and mark_dynamic), not every dim (dynamic=True): for inputs with
+        # batch_only: dim 0 of the first call's tokens (and of the other arguments that
+        # have it) is the only dynamic dim (default dynamic=None and mark_dynamic), not
+        # every dim (dynamic=True): for inputs with
         # more dims than the batch, as a user who tunes would mark them (symbolic GEMM
         # rows defeat the frozen weights' gain, see compile/rows.py).
         dynamic = None if batch_only else True
@@ -87,6 +88,9 @@ class PeerForward:
         if not self.marked:
             specialize = [_equals(n) for n in self.sizes] if self.name.startswith("specialize") else None
             torch._dynamo.mark_dynamic(ids, 0, specialize_on=specialize)
+            for t in rest:  # the other per-token inputs (positions, slots) share the dim
+                if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == ids.shape[0]:
+                    torch._dynamo.mark_dynamic(t, 0)
             self.marked = True
         if not (self.tuned and self.warming):
             return self.compiled(ids, *rest)

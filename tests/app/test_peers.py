@@ -59,3 +59,28 @@ def test_batch_only_marks_dim_0_alone(batch_only):
             torch.testing.assert_close(peer(x), model(x))
     # One graph for every size (its size-2 specialization is compiled from it).
     assert peer.symbolic[0] == ([True, False, False] if batch_only else [True, True, True])
+
+
+def test_the_bench_compiles_the_specialize_peers_of_the_llama():
+    # The bench's own setup (app/bench.make_variant) with real Inductor, on the built-in
+    # Llama: its RMSNorms keep a float eps, which torch.compile(dynamic=True) traces as
+    # a symbolic input that every specialize_on compile then fails on (torch 2.13); the
+    # bench marks the token dim alone, and the peer compiles every size. (Untuned: the
+    # tuned peer marks alike, and its max-autotune builds cost a minute here.)
+    from dynamo_sizebackend.app.bench import make_variant
+    from dynamo_sizebackend.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("tiny")
+    model.allocate_kv_cache(2, 64)
+
+    def step(fn, n):
+        ids = torch.randint(model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+        return fn(ids, torch.arange(n), torch.zeros(n, dtype=torch.long))
+
+    peer = make_variant("specialize", model, "inductor", [4])
+    torch._dynamo.utils.counters.clear()
+    with torch.no_grad():
+        for n in (3, 4):  # the general graph, then the size-4 specialization
+            torch.testing.assert_close(step(peer, n), step(model, n), rtol=1e-4, atol=1e-4)
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
