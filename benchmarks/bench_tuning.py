@@ -8,6 +8,7 @@ against ``dynamic=False``; every output is checked against eager first.
 
     python benchmarks/bench_tuning.py [--model llama-small | sdpa] [--sizes 2,4,8]
                                       [--candidates default,freeze,...] [--json out.json]
+                                      [--peers specialize-tuned,...]
                                       [--winners winners.json]
 
 Candidates (``--candidates``, comma-separated; ``all`` for every one):
@@ -45,6 +46,7 @@ import torch  # noqa: E402
 import dynamo_sizebackend as sb  # noqa: E402
 from bench_latency import interleaved  # noqa: E402
 from dynamo_sizebackend._torch import autotune  # noqa: E402
+from dynamo_sizebackend.app.peers import PEERS, PeerForward  # noqa: E402
 from dynamo_sizebackend.models import build_model  # noqa: E402
 from dynamo_sizebackend.models.sdpa import TinyTransformer  # noqa: E402
 from dynamo_sizebackend.options import SIZED_DEFAULTS  # noqa: E402
@@ -131,6 +133,9 @@ def main(argv=None) -> int:
     p.add_argument("--candidates", default="none,freeze,freeze+autotune")
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--peers", default="",
+                   help=f"comma-separated peers to time beside ({', '.join(PEERS)}), "
+                        "each with the batch dim alone marked")
     p.add_argument("--json")
     p.add_argument("--winners", metavar="FILE",
                    help="record every GEMM candidate's autotune time (the full search: "
@@ -142,35 +147,45 @@ def main(argv=None) -> int:
     names = list(CANDIDATES) if a.candidates == "all" else a.candidates.split(",")
     model, inputs = build(a.model, a.dim, a.layers, a.seq)
 
-    variants = {  # name: (callable, inputs marked?)
-        "eager": (model, False),
-        "dynamic=True": (torch.compile(model, dynamic=True), False),
-        "dynamic=False": (torch.compile(model, dynamic=False), False),
+    peers = [name for name in a.peers.split(",") if name]
+    unknown = sorted(set(peers) - set(PEERS))
+    if unknown:
+        p.error(f"--peers: unknown {unknown}; pick from {list(PEERS)}")
+    variants = {  # name: (callable, its inputs: "plain", "marked", or a peer's name: its copies)
+        "eager": (model, "plain"),
+        "dynamic=True": (torch.compile(model, dynamic=True), "plain"),
+        "dynamic=False": (torch.compile(model, dynamic=False), "plain"),
     }
     for name in names:
         options = {"compile_sizes": sizes, "cache_dir": None,
                    "sized_inductor_options": CANDIDATES[name], **BACKEND_OPTIONS.get(name, {})}
         if a.winners:
             options["prune_autotune"] = False
-        variants[f"sb {name}"] = (torch.compile(model, backend="sizebackend", options=options), True)
+        variants[f"sb {name}"] = (torch.compile(model, backend="sizebackend", options=options), "marked")
+    for name in peers:  # each its own copies: a peer marks the tensors of its first call
+        variants[name] = (PeerForward(name, model, sizes, batch_only=True), name)
 
     timings = record_autotune() if a.winners else None
     plain = {n: inputs(n) for n in sizes}
-    marks = {n: marked(plain[n]) for n in sizes}
+    feeds = {"plain": plain, "marked": {n: marked(plain[n]) for n in sizes},
+             **{name: {n: tuple(t.clone() for t in plain[n]) for n in sizes} for name in peers}}
     compile_s: dict[str, float] = {}
     results: dict[str, dict[int, float]] = {name: {} for name in variants}
     with torch.inference_mode():
         reference = {n: model(*plain[n]) for n in sizes}
-        for name, (fn, mark) in variants.items():
+        for name, (fn, feed) in variants.items():
             start = time.perf_counter()
             for n in sizes:
-                out = fn(*(marks[n] if mark else plain[n]))
+                out = fn(*feeds[feed][n])
                 torch.testing.assert_close(out, reference[n], rtol=1e-4, atol=1e-4)
             compile_s[name] = time.perf_counter() - start
+            if isinstance(fn, PeerForward):
+                fn.warming = False
+                print(f"# {name}: {fn.evidence()}", file=sys.stderr)
             print(f"# {name}: first calls (compiles) {compile_s[name]:.1f}s", file=sys.stderr, flush=True)
         for n in sizes:
-            calls = {name: functools.partial(fn, *(marks[n] if mark else plain[n]))
-                     for name, (fn, mark) in variants.items()}
+            calls = {name: functools.partial(fn, *feeds[feed][n])
+                     for name, (fn, feed) in variants.items()}
             for name, seconds in interleaved(calls, a.iters).items():
                 results[name][n] = seconds * 1e6
 
@@ -182,6 +197,10 @@ def main(argv=None) -> int:
             f"{results[name][n]:9.1f} ({results[name][n] / results['dynamic=False'][n]:.3f})" for n in sizes
         )
         print(f"{name:>20} {cells} {compile_s[name]:14.1f}")
+    for peer in peers:
+        for name in [v for v in variants if v.startswith("sb ")]:
+            print(f"{name} / {peer}: " + ", ".join(
+                f"n={n} {results[name][n] / results[peer][n]:.3f}" for n in sizes))
     if timings is not None:
         report_winners(timings, a.winners)
     if a.json:
