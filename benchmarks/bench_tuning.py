@@ -16,10 +16,10 @@ Candidates (``--candidates``, comma-separated; ``all`` for every one):
   cpp_wrapper    Inductor's C++ wrapper instead of its Python one
   autotune       max-autotune with the C++ GEMM template, weights still inputs
   freeze         constant (frozen, prepacked) weights
-  freeze+autotune   both: the CPU default (options.SIZED_DEFAULTS["cpu"])
+  freeze+autotune   both (the CPU default until 2026-12-06)
   freeze+concat  constant weights with q/k/v and gate/up linears concatenated
+  freeze+autotune+concat   all three: the CPU default (options.SIZED_DEFAULTS["cpu"])
   freeze+autotune+cpp_wrapper   the CPU default with Inductor's C++ wrapper
-  freeze+autotune+concat   the CPU default with q/k/v and gate/up concatenated
   freeze+autotune+grouped   the CPU default with Inductor's grouped GEMM template
   freeze+autotune-full   the CPU default with Inductor's full GEMM search
                  (``prune_autotune=False``): what pruning costs in speed, and saves in
@@ -57,11 +57,13 @@ CANDIDATES = {
     "cpp_wrapper": {"cpp_wrapper": True},
     "autotune": dict(GEMM),
     "freeze": {"freezing": True},
-    "freeze+autotune": dict(SIZED_DEFAULTS["cpu"]),
+    # The CPU default before 2026-12-06 evening: without concatenated linears.
+    "freeze+autotune": {k: v for k, v in SIZED_DEFAULTS["cpu"].items()
+                        if k != "cpp.enable_concat_linear"},
     "freeze+concat": {"freezing": True, "cpp.enable_concat_linear": True},
     "freeze+autotune-full": dict(SIZED_DEFAULTS["cpu"]),
     "freeze+autotune+cpp_wrapper": {**SIZED_DEFAULTS["cpu"], "cpp_wrapper": True},
-    "freeze+autotune+concat": {**SIZED_DEFAULTS["cpu"], "cpp.enable_concat_linear": True},
+    "freeze+autotune+concat": dict(SIZED_DEFAULTS["cpu"]),
     "freeze+autotune+grouped": {**SIZED_DEFAULTS["cpu"], "cpp.enable_grouped_gemm_template": True},
 }
 #: Backend options a candidate sets besides its Inductor patches.

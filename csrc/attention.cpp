@@ -145,21 +145,35 @@ void check_inputs(
 // Pass 1: cache[slots[t], positions[t]] = src[t]. Serial on purpose: it moves T rows of
 // KVH * D elements (tiny next to pass 2), and a fixed order makes a batch that names the
 // same (slot, position) twice deterministic (the last token wins) instead of a race.
+// `src` is [T, KVH, D] with dense rows of D (stride 1 in the last dim); tokens and heads
+// may be strided (a slice of a fused projection's output).
 template <typename scalar_t>
 void write_cache(
     const at::Tensor& src, at::Tensor& cache, const int64_t* slots, const int64_t* positions) {
-  const int64_t row = src.size(1) * src.size(2);
+  const int64_t heads = src.size(1);
+  const int64_t head_dim = src.size(2);
+  const int64_t row = heads * head_dim;
+  const int64_t token_stride = src.stride(0);
+  const int64_t head_stride = src.stride(1);
   const int64_t max_len = cache.size(1);
   const scalar_t* in = src.const_data_ptr<scalar_t>();
   scalar_t* out = cache.mutable_data_ptr<scalar_t>();
   for (int64_t t = 0; t < src.size(0); ++t) {
-    std::memcpy(
-        out + (slots[t] * max_len + positions[t]) * row, in + t * row, row * sizeof(scalar_t));
+    scalar_t* dst = out + (slots[t] * max_len + positions[t]) * row;
+    const scalar_t* from = in + t * token_stride;
+    if (head_stride == head_dim || heads == 1) {
+      std::memcpy(dst, from, row * sizeof(scalar_t));
+    } else {
+      for (int64_t h = 0; h < heads; ++h) {
+        std::memcpy(dst + h * head_dim, from + h * head_stride, head_dim * sizeof(scalar_t));
+      }
+    }
   }
 }
 
 // Pass 2: one (token, head) pair per work item; every item only reads the caches and
-// writes its own output row, so items run in parallel without synchronization.
+// writes its own output row, so items run in parallel without synchronization. `q` has
+// dense rows of D; its tokens and heads may be strided.
 template <typename scalar_t>
 void attend(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -175,6 +189,8 @@ void attend(
   const int64_t slot_stride = max_len * position_stride;
 
   const scalar_t* q_data = q.const_data_ptr<scalar_t>();
+  const int64_t q_token_stride = q.stride(0);
+  const int64_t q_head_stride = q.stride(1);
   const scalar_t* k_data = k_cache.const_data_ptr<scalar_t>();
   const scalar_t* v_data = v_cache.const_data_ptr<scalar_t>();
   scalar_t* out_data = out.mutable_data_ptr<scalar_t>();
@@ -198,7 +214,7 @@ void attend(
       const int64_t length = positions[t] + 1;
       const int64_t base = slots[t] * slot_stride + kv_head * head_dim;
 
-      const scalar_t* q_row = q_data + item * head_dim;
+      const scalar_t* q_row = q_data + t * q_token_stride + (item % num_heads) * q_head_stride;
       for (int64_t d = 0; d < head_dim; ++d) {
         query[d] = static_cast<acc_t>(q_row[d]) * static_cast<acc_t>(scale);
       }
@@ -256,10 +272,16 @@ at::Tensor attention_cpu(
   if (q.size(0) == 0) {
     return out;
   }
-  // q/k/v usually arrive as views of a fused projection; the kernel wants dense rows.
-  const at::Tensor q_c = q.contiguous();
-  const at::Tensor k_c = k.contiguous();
-  const at::Tensor v_c = v.contiguous();
+  // q/k/v usually arrive as views of a fused projection (slices of its last dim, heads
+  // split off): the kernels read them through their token and head strides and need
+  // only each head's D elements to be dense. A copy for anything else (about 2 us per
+  // call for a decode step's view, called once per layer).
+  auto dense_rows = [](const at::Tensor& x) {
+    return x.stride(2) == 1 || x.size(2) == 1 ? x : x.contiguous();
+  };
+  const at::Tensor q_c = dense_rows(q);
+  const at::Tensor k_c = dense_rows(k);
+  const at::Tensor v_c = dense_rows(v);
   const int64_t* slot_data = slots_c.const_data_ptr<int64_t>();
   const int64_t* position_data = positions_c.const_data_ptr<int64_t>();
 

@@ -114,15 +114,37 @@ def test_first_token_attends_to_itself_only():
     torch.testing.assert_close(out, args[V].repeat_interleave(group, dim=1))
 
 
-def test_noncontiguous_qkv():
-    # q/k/v are often views of one fused projection; the kernel must honour strides.
+def _fused_projection(q, k, v):
+    fused = torch.cat([q, k, v], dim=1)  # [T, 4 + 2 + 2, D], as a fused qkv projection gives
+    return fused[:, :4], fused[:, 4:6], fused[:, 6:]
+
+
+def _heads_outermost(q, k, v):
+    # [H, T, D] storage seen as [T, H, D]: every head a block of its own (head stride T*D).
+    return tuple(x.transpose(0, 1).contiguous().transpose(0, 1) for x in (q, k, v))
+
+
+def _dim_last_strided(q, k, v):
+    # [T, D, H] storage seen as [T, H, D]: a head's D elements are not adjacent.
+    return tuple(x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+
+
+@pytest.mark.parametrize("layout, copies", [
+    (_fused_projection, 0), (_heads_outermost, 0), (_dim_last_strided, 3)],
+    ids=["fused-projection", "heads-outermost", "dim-strided"])
+def test_noncontiguous_qkv(layout, copies):
+    # q/k/v are often views of one fused projection; the kernel honours their token and
+    # head strides without a copy, and copies only where a head's D elements are apart.
     args = make_inputs(*BATCHES["mixed"])
-    fused = torch.cat(args[:3], dim=1)  # [T, 4 + 2 + 2, D], as a fused qkv projection gives
-    args[:3] = fused[:, :4], fused[:, 4:6], fused[:, 6:]
+    args[:3] = layout(*args[:3])
+    assert not any(a.is_contiguous() for a in args[:3])
     expected_args = clone_all(args)  # clones of strided slices come out contiguous
-    out = ops.attention(*args, SCALE)
+    with torch.profiler.profile() as prof:
+        out = ops.attention(*args, SCALE)
     torch.testing.assert_close(out, ops.attention_reference(*expected_args, SCALE))
     torch.testing.assert_close(args[K_CACHE], expected_args[K_CACHE], atol=0, rtol=0)
+    torch.testing.assert_close(args[V_CACHE], expected_args[V_CACHE], atol=0, rtol=0)
+    assert sum(e.count for e in prof.key_averages() if e.key == "aten::clone") == copies
 
 
 @pytest.mark.parametrize("impl", [ops.attention, ops.attention_reference], ids=["op", "reference"])
