@@ -38,10 +38,11 @@ DEFAULT_SPLITTING_OPS: tuple[str, ...] = (
 #: - cpu: constant (frozen) weights plus max-autotune with the C++ GEMM template, which
 #:   needs constant weights; on the built-in Llama listed sizes ran at 0.60-0.72x of
 #:   torch.compile(dynamic=False). Freezing alone (mkl-packed linears) was slower at
-#:   small batches, cpp_wrapper never helped, max-autotune without freezing changes
-#:   nothing (the template never applies). Linears of one input (q/k/v, gate/up) are
-#:   concatenated into one GEMM: 0.92x / 0.83x the time at 8 / 16 rows, and fewer
-#:   GEMMs to autotune (2026-12-06).
+#:   small batches, cpp_wrapper did not help the Llama (4% on an SDPA model, and
+#:   longer compiles), max-autotune without freezing changes nothing (the template
+#:   never applies). Linears of one input (q/k/v, gate/up) are concatenated into one
+#:   GEMM: 0.92x / 0.83x the time at 8 / 16 rows, and fewer GEMMs to autotune
+#:   (2026-12-06).
 #: - cuda: what vLLM compiles its single sizes with (max-autotune, coordinate descent).
 #: Both keep Inductor's autotune tables and stats off stderr.
 STORE_FROZEN = (True, False, "worker", "inline")

@@ -63,9 +63,10 @@ class PeerForward:
         self.sizes = list(sizes)
         # batch_only: dim 0 of the first call's tokens (and of the other arguments that
         # have it) is the only dynamic dim (default dynamic=None and mark_dynamic), not
-        # every dim (dynamic=True): for inputs with
-        # more dims than the batch, as a user who tunes would mark them (symbolic GEMM
-        # rows defeat the frozen weights' gain, see compile/rows.py).
+        # every dim (dynamic=True): for inputs with more dims than the batch, as a user
+        # who tunes would mark them (symbolic GEMM rows defeat the frozen weights' gain,
+        # see compile/rows.py), and for models with float attributes, which dynamic=True
+        # traces as symbolic inputs (the bench's specialize peers, app/bench.py).
         dynamic = None if batch_only else True
         self.marked = not (name.startswith("specialize") or batch_only)
         self.keep_sources: KeepSources | None = None
