@@ -249,3 +249,31 @@ def test_unsplit_graph_serves_the_kv_cache_model_with_the_real_defaults(real_def
         (library,) = [n for n in archive.namelist() if n.endswith(".so")]
         assert b"sizebackend::attention" in archive.read(library.removesuffix(".so") + ".json")
     assert isinstance(aoti.load_aligned(str(package)), aoti.AlignedCpuPackage)
+
+
+@pytest.mark.inductor
+@torch.no_grad()
+def test_split_pieces_with_the_real_defaults_feed_attention_without_copies(real_defaults):
+    """The user's path: split at the attention op, the listed size frozen and tuned (its
+    q/k/v and gate/up linears concatenated into one GEMM each, so q, k and v leave the
+    piece as slices of one output). Logits and caches as eager's; the op reads those
+    slices through their strides: no copy of them at the listed size."""
+    import dynamo_sizebackend as sb
+
+    from ..nets import compile_sb
+
+    steps = serving_steps(config("tiny").vocab_size)[:3]  # T = 8, 4, 3: size 4 listed
+    model, expected_model = fresh(), fresh()
+    compiled = compile_sb(model, compile_sizes=[4], cache_dir=None)
+    got = [compiled(*steps[0])]
+    with torch.profiler.profile() as prof:
+        got.append(compiled(*steps[1]))
+    got.append(compiled(*steps[2]))
+    for logits, expected in zip(got, run(expected_model, steps), strict=True):
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    assert_caches_equal(model, expected_model, atol=1e-5, rtol=1e-5)
+    events = {e.key: e.count for e in prof.key_averages()}
+    assert events.get("sizebackend::attention") == config("tiny").num_layers, events
+    assert "aten::clone" not in events and "aten::contiguous" not in events, events
+    stats = sb.stats()
+    assert (stats.splits, stats.fallbacks, stats.calls) == (2, {}, {"dynamic": 2, "4": 1})
