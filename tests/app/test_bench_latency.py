@@ -1,20 +1,10 @@
 """benchmarks/bench_latency.py's timing loop: turns of timed calls, each after untimed
 warm calls, the variants in rotating order."""
-import importlib.util
-import pathlib
-
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_latency.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_latency", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from . import load_benchmark
 
 
 def test_turns_time_only_the_calls_after_the_warm_ones(monkeypatch):
-    bl = _load()
+    bl = load_benchmark("bench_latency")
     monkeypatch.setattr(bl, "CHUNK_STEPS", 2)
     monkeypatch.setattr(bl, "WARM_CALLS", 1)
     clock, calls = [0.0], []

@@ -1,30 +1,22 @@
 """benchmarks/bench_tuning.py end to end on a tiny model, with real Inductor: every
 candidate and peer is checked against eager before it is timed, and each candidate's
 ratio to each peer is printed."""
-import importlib.util
-import pathlib
 import re
 
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_tuning.py"
+from . import load_benchmark
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_tuning", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_an_unknown_peer_is_refused():
     with pytest.raises(SystemExit):
-        _load().main(["--peers", "specialise"])
+        load_benchmark("bench_tuning").main(["--peers", "specialise"])
 
 
 @pytest.mark.inductor
 def test_candidates_are_timed_beside_a_peer(capsys):
-    bt = _load()
+    bt = load_benchmark("bench_tuning")
     assert bt.main(["--model", "sdpa", "--dim", "16", "--layers", "1", "--seq", "2",
                     "--sizes", "2", "--candidates", "none", "--iters", "2",
                     "--peers", "specialize"]) == 0
