@@ -2,8 +2,8 @@
 // kernels live next to their implementation in one TORCH_LIBRARY_IMPL per dispatch key.
 //
 // The shared object is also a Python extension module: importing it loads the library,
-// and it holds the FrozenGuard class (csrc/frozen_guard.cpp) and the packed-linear cache's
-// two functions (csrc/packed_linear.cpp).
+// and it holds the FrozenGuard class (csrc/frozen_guard.cpp), the packed-linear cache's
+// two functions (csrc/packed_linear.cpp) and the Chain class (csrc/chain.cpp).
 #include <torch/extension.h>
 
 #include <torch/library.h>
@@ -11,6 +11,7 @@
 namespace sizebackend {
 void bind_frozen_guard(pybind11::module_& m);  // csrc/frozen_guard.cpp
 void bind_packed_linear(pybind11::module_& m);  // csrc/packed_linear.cpp
+void bind_chain(pybind11::module_& m);  // csrc/chain.cpp
 }
 
 // `from dynamo_sizebackend import _C` loads the .so, which runs the static registrars
@@ -19,6 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Custom-op library of dynamo_sizebackend; importing it registers torch.ops.sizebackend.";
   sizebackend::bind_frozen_guard(m);
   sizebackend::bind_packed_linear(m);
+  sizebackend::bind_chain(m);
 }
 
 TORCH_LIBRARY(sizebackend, m) {

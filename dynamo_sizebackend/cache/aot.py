@@ -119,6 +119,7 @@ class AotPiece:
         self.package = package
         self.positions = tuple(positions)
         run = inductor.aot_runner(package) if outputs is not None else None
+        self.outputs = outputs if run is not None else None  # how runtime/chain.py reads it
         if run is None:
             self._call = lambda tensors: package(*tensors)
         elif outputs == "one":

@@ -25,7 +25,7 @@ from ..cache import aot
 from ..cache.store import FirstOutput, returns_one_value
 from ..cache.store import for_options as piece_cache_for
 from ..options import SizeBackendOptions
-from ..runtime import cudagraphs, padding
+from ..runtime import chain, cudagraphs, padding
 from ..runtime.runner import Program, Runner, generated_forward
 from ..stats import COUNTERS
 from . import background, floats, freeze, guards, linears, rows
@@ -322,9 +322,12 @@ class GraphCompiler:
         captured = cudagraphs.captures_size(self.options, size)
         if captured:
             pieces = self._captured(sg, pieces, size)
+        split_ops = {p.name for p in sg.pieces if p.is_split_op}
+        run = chain.try_build(sg.gm, pieces, split_ops, self.graph_id, key) \
+            if self.options.direct_calls and not captured else None
         return Program(
             key, pieces, check=check and check[1], clone_outputs=captured,
-            frozen=frozen,
+            frozen=frozen, chain=run,
         )
 
     def _captured(self, sg: SplitGraph, pieces: dict[str, CompiledPiece], size: int) -> dict:

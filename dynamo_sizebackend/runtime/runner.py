@@ -48,8 +48,10 @@ class Program:
         check: Callable[[tuple[Any, ...]], bool] | None = None,
         clone_outputs: bool = False,
         frozen: Any = None,
+        chain: Callable[[tuple[Any, ...]], Any] | None = None,
     ):
         self.key = key
+        self.chain = chain  # runtime/chain.py: the whole forward in one C++ call
         self.check = check
         self.frozen = frozen  # compile/freeze.FrozenWeights of a size compiled with constant weights
         self.clone_outputs = clone_outputs  # captured: CUDA-graph replays overwrite their outputs
@@ -236,6 +238,8 @@ class Runner:
         if program.clone_outputs:
             with self._replaying:
                 return clone_outputs(self._forward(program, *args))
+        if program.chain is not None:
+            return program.chain(args)
         return self._forward(program, *args)
 
     def _first_call(self, size: int, program: Program) -> None:
@@ -266,4 +270,6 @@ class Runner:
         if program.clone_outputs:
             with self._replaying:
                 return clone_outputs(self._pad.unpad(self._forward(program, *padded), size))
+        if program.chain is not None:
+            return self._pad.unpad(program.chain(tuple(padded)), size)
         return self._pad.unpad(self._forward(program, *padded), size)
