@@ -9,7 +9,7 @@ against ``dynamic=False``; every output is checked against eager first.
     python benchmarks/bench_tuning.py [--model llama-small | sdpa] [--sizes 2,4,8]
                                       [--candidates default,freeze,...] [--json out.json]
                                       [--peers specialize-tuned,...]
-                                      [--winners winners.json]
+                                      [--winners winners.json] [--packaged]
 
 Candidates (``--candidates``, comma-separated; ``all`` for every one):
   none           {}: sized pieces compiled like the general ones
@@ -24,6 +24,13 @@ Candidates (``--candidates``, comma-separated; ``all`` for every one):
   freeze+autotune-full   the CPU default with Inductor's full GEMM search
                  (``prune_autotune=False``): what pruning costs in speed, and saves in
                  compile time
+  python-forward the CPU default with ``direct_calls=False``: with ``--packaged``, the
+                 pieces called from Python rather than as one C++ chain
+                 (``runtime/chain.py``)
+
+``--packaged``: every candidate's frozen pieces are built as AOT packages (``cache_dir``
+a fresh folder, ``store_frozen="inline"``): what a server restarted on a warm cache
+runs. Without it (the default) they are JIT compiles, what a cold start runs.
 
 ``--winners FILE``: every GEMM candidate's autotune time (the full search), per shape,
 printed and written to FILE: the measurement behind ``_torch/autotune.py``.
@@ -65,9 +72,11 @@ CANDIDATES = {
     "freeze+autotune+cpp_wrapper": {**SIZED_DEFAULTS["cpu"], "cpp_wrapper": True},
     "freeze+autotune+concat": dict(SIZED_DEFAULTS["cpu"]),
     "freeze+autotune+grouped": {**SIZED_DEFAULTS["cpu"], "cpp.enable_grouped_gemm_template": True},
+    "python-forward": dict(SIZED_DEFAULTS["cpu"]),
 }
 #: Backend options a candidate sets besides its Inductor patches.
-BACKEND_OPTIONS = {"freeze+autotune-full": {"prune_autotune": False}}
+BACKEND_OPTIONS = {"freeze+autotune-full": {"prune_autotune": False},
+                   "python-forward": {"direct_calls": False}}
 
 
 def build(name: str, dim: int, layers: int, seq: int):
@@ -138,6 +147,8 @@ def main(argv=None) -> int:
     p.add_argument("--peers", default="",
                    help=f"comma-separated peers to time beside ({', '.join(PEERS)}), "
                         "each with the batch dim alone marked")
+    p.add_argument("--packaged", action="store_true",
+                   help="frozen pieces as AOT packages (a warm restart), not JIT compiles")
     p.add_argument("--json")
     p.add_argument("--winners", metavar="FILE",
                    help="record every GEMM candidate's autotune time (the full search: "
@@ -159,7 +170,9 @@ def main(argv=None) -> int:
         "dynamic=False": (torch.compile(model, dynamic=False), "plain"),
     }
     for name in names:
-        options = {"compile_sizes": sizes, "cache_dir": None,
+        options = {"compile_sizes": sizes,
+                   "cache_dir": tempfile.mkdtemp(prefix="bench-tuning-sb-") if a.packaged else None,
+                   "store_frozen": "inline",
                    "sized_inductor_options": CANDIDATES[name], **BACKEND_OPTIONS.get(name, {})}
         if a.winners:
             options["prune_autotune"] = False
