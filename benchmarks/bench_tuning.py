@@ -169,9 +169,10 @@ def main(argv=None) -> int:
         "dynamic=True": (torch.compile(model, dynamic=True), "plain"),
         "dynamic=False": (torch.compile(model, dynamic=False), "plain"),
     }
+    # One folder for the run: candidates with the same Inductor settings share packages.
+    packages = tempfile.mkdtemp(prefix="bench-tuning-sb-") if a.packaged else None
     for name in names:
-        options = {"compile_sizes": sizes,
-                   "cache_dir": tempfile.mkdtemp(prefix="bench-tuning-sb-") if a.packaged else None,
+        options = {"compile_sizes": sizes, "cache_dir": packages,
                    "store_frozen": "inline",
                    "sized_inductor_options": CANDIDATES[name], **BACKEND_OPTIONS.get(name, {})}
         if a.winners:
