@@ -213,8 +213,9 @@ class SizeBackendOptions:
     direct_calls: bool = field(default_factory=_default_direct_calls)
     """Call Inductor's generated code directly after a piece's first call, skipping
     AOTAutograd's per-call Python layers (``_torch/direct_call.py``; only for pieces it
-    can prove need none of them). ``False`` always takes the full path. Default: on,
-    unless ``SIZEBACKEND_DIRECT_CALLS=0``."""
+    can prove need none of them), and run a listed size whose pieces are all AOT
+    packages as one C++ call (``runtime/chain.py``). ``False`` always takes the full
+    path, piece by piece from Python. Default: on, unless ``SIZEBACKEND_DIRECT_CALLS=0``."""
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731

@@ -74,7 +74,7 @@ from ..stats import reset_stats, stats
 #: sizebackend as the bench runs it (``--sb-options`` adds to both): with its defaults,
 #: and with nothing split (``splitting_ops=[]``: one piece per graph, the attention
 #: op inside it), which on a CPU without CUDA graphs trades compile reuse across
-#: layers for fewer calls per step (see the README's "Two commands").
+#: layers for fewer calls per step (see the README's "Performance").
 SB_VARIANTS: dict[str, dict[str, Any]] = {"sizebackend": {},
                                           "sizebackend-unsplit": {"splitting_ops": []}}
 VARIANTS = ("eager", "dynamic") + tuple(SB_VARIANTS) + PEERS

@@ -1,6 +1,7 @@
 """benchmarks/bench_tuning.py end to end on a tiny model, with real Inductor: every
 candidate and peer is checked against eager before it is timed, and each candidate's
 ratio to each peer is printed."""
+import json
 import re
 
 import pytest
@@ -24,3 +25,20 @@ def test_candidates_are_timed_beside_a_peer(capsys):
     assert re.search(r"^\s+specialize\s+[\d.]+ \(", out, re.M), out
     ratios = re.search(r"^sb none / specialize: n=2 ([\d.]+)$", out, re.M)
     assert ratios and all(float(r) > 0 for r in ratios.groups()), out
+
+
+@pytest.mark.inductor
+def test_packaged_candidates_run_from_stored_packages(tmp_path, capsys):
+    """``--packaged``: the frozen sized pieces are AOT packages (stored, none skipped
+    as frozen), which ``python-forward`` (the default with ``direct_calls=False``)
+    loads rather than compiles again."""
+    bt = load_benchmark("bench_tuning")
+    args = ["--model", "sdpa", "--dim", "16", "--layers", "1", "--seq", "2", "--sizes", "2",
+            "--candidates", "freeze+autotune+concat,python-forward", "--iters", "2"]
+    assert bt.main(args + ["--packaged", "--json", str(tmp_path / "p.json")]) == 0
+    stats = json.loads((tmp_path / "p.json").read_text())["stats"]
+    assert "frozen" not in stats["cache_skips"], stats
+    # Each frozen piece stored once, by the first candidate; the second loads it.
+    assert stats["cache_misses"] >= 1 and stats["cache_hits"] >= stats["cache_misses"], stats
+    err = capsys.readouterr().err
+    assert re.search(r"sb python-forward: first calls", err), err

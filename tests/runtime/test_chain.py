@@ -142,17 +142,21 @@ class Halved(nn.Module):
 @torch.no_grad()
 def test_a_named_python_op_runs_in_the_chain(real_defaults, runners, tmp_path):
     """A split op with a Python body: the chain calls it through the dispatcher, with
-    its float constant converted by the schema."""
+    its float constant converted by the schema; with ``pad_to_size`` a batch of 3 runs
+    the size-4 chain on padded inputs."""
     made, calls = runners
     model = Halved().eval()
     compiled = compile_sb(model, compile_sizes=[4], cache_dir=str(tmp_path), store_frozen="inline",
-                          splitting_ops=["sizebackend_test::halve"])
+                          splitting_ops=["sizebackend_test::halve"], pad_to_size=True)
     x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(compiled(x * 3), model(x * 3), atol=1e-5, rtol=1e-5)
+    out = compiled(x[:3])
+    assert out.shape == (3, 32)
+    torch.testing.assert_close(out, model(x[:3]), atol=1e-5, rtol=1e-5)
     (graph,) = made
     assert len(graph._by_size[4].chain) == 3 and calls["pieces"] == 0
-    assert sb.stats().calls == {"4": 2}
+    assert sb.stats().calls == {"4": 3}
 
 
 def test_a_jit_piece_keeps_the_python_forward(runners, caplog):
