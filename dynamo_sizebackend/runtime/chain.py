@@ -12,8 +12,11 @@ which call arguments to read, which runner or op each step calls with which valu
 where each result goes, when each value is dropped. The runner then calls the chain
 instead of the generated forward; the tensors and the order of the calls are the same.
 
-Anything else (a JIT-compiled piece, a split op with a Python body, a graph node the
-plan does not know, a profiler running, CUDA-graph capture) keeps the generated forward.
+A split op is one call of an op the dispatcher knows: a registered op (ours, or a
+user's, with a C++ or a Python kernel), or a torch binding of one ATen op
+(``F.scaled_dot_product_attention``). Anything else (a JIT-compiled piece, a split op
+that is a Python function, a graph node the plan does not know, a profiler running,
+CUDA-graph capture) keeps the generated forward.
 Off with the option ``direct_calls=False`` (``SIZEBACKEND_DIRECT_CALLS=0``), which also
 turns off ``_torch/direct_call.py``'s shortcuts.
 """
@@ -59,6 +62,7 @@ def _op_call(piece: Any) -> tuple[torch._ops.OpOverload, list[Any], torch.fx.Nod
         raise NotChained(f"a split op is not a graph's forward ({type(piece).__name__})")
     calls = [n for n in sub.graph.nodes if n.op not in ("placeholder", "output")]
     op = calls[0].target if len(calls) == 1 and calls[0].op == "call_function" else None
+    op = _builtin_op(op) or op
     if isinstance(op, torch._ops.OpOverloadPacket) and len(op.overloads()) == 1:
         op = getattr(op, op.overloads()[0])  # as traced from torch.ops.ns.name(...)
     if not isinstance(op, torch._ops.OpOverload):
@@ -70,6 +74,9 @@ def _op_call(piece: Any) -> tuple[torch._ops.OpOverload, list[Any], torch.fx.Nod
     schema = op._schema
     if any(not isinstance(r.type, torch.TensorType) for r in schema.returns) or not schema.returns:
         raise NotChained(f"{op} returns a non-tensor")
+    names = {arg.name for arg in schema.arguments}
+    if len(node.args) > len(schema.arguments) or not set(node.kwargs) <= names:
+        raise NotChained(f"{op}: the call does not bind to its schema")
     values = []
     for j, arg in enumerate(schema.arguments):
         if j < len(node.args):
@@ -81,6 +88,24 @@ def _op_call(piece: Any) -> tuple[torch._ops.OpOverload, list[Any], torch.fx.Nod
         else:
             raise NotChained(f"{op}: argument {arg.name} missing")
     return op, values, node
+
+
+#: Modules of torch's Python bindings, whose functions call the ATen op of their name.
+_BINDINGS = ("torch._C._nn", "torch._C._VariableFunctions", "torch", "torch._C._linalg",
+             "torch._C._special", "torch._C._fft")
+
+
+def _builtin_op(target: Any) -> Any:
+    """The ATen op packet a torch binding calls (``F.scaled_dot_product_attention`` is
+    recorded by Dynamo as ``torch._C._nn.scaled_dot_product_attention``), or ``None``.
+    Only a packet of one overload: the binding cannot have picked another."""
+    if type(target).__name__ != "builtin_function_or_method" \
+            or getattr(target, "__module__", None) not in _BINDINGS:
+        return None
+    packet = getattr(torch.ops.aten, target.__name__, None)
+    if not isinstance(packet, torch._ops.OpOverloadPacket) or len(packet.overloads()) != 1:
+        return None
+    return packet
 
 
 class _Planner:

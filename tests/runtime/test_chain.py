@@ -173,3 +173,31 @@ def test_a_jit_piece_keeps_the_python_forward(runners, caplog):
     (graph,) = made
     assert graph._by_size[4].chain is None
     assert "size 4 runs its pieces from Python: a piece is not an AOT package" in caplog.text
+
+
+@torch.no_grad()
+def test_sdpa_as_dynamo_records_it_runs_in_the_chain(real_defaults, runners, monkeypatch, tmp_path):
+    """``F.scaled_dot_product_attention`` reaches the split graph as the binding
+    ``torch._C._nn.scaled_dot_product_attention``: the chain calls the ATen op it stands
+    for, with the call's keyword (``is_causal``) and the schema's defaults; the same
+    values as the Python forward, to the bit."""
+    from dynamo_sizebackend.models.sdpa import TinyTransformer
+
+    made, calls = runners
+    model = TinyTransformer(1, 16, 4, mlp_ratio=4).eval()
+    # The batch dim alone dynamic (the README's marking): every piece of size 2 static,
+    # so each is a package.
+    compiled = torch.compile(model, backend="sizebackend", options={
+        "compile_sizes": [2], "cache_dir": str(tmp_path), "store_frozen": "inline"})
+    x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(0))
+    torch._dynamo.mark_dynamic(x, 0)
+    torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
+    (graph,) = made
+    program = graph._by_size[2]
+    assert program.chain is not None and len(program.chain) == 3 and calls["pieces"] == 0
+    y = x * 2
+    torch._dynamo.mark_dynamic(y, 0)
+    args = _args(monkeypatch, compiled, (y,))
+    torch.testing.assert_close(program.chain(args), graph._forward(program, *args),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(program.chain(args)[0], model(y), atol=1e-5, rtol=1e-5)
