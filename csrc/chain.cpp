@@ -10,6 +10,7 @@
 // Tensors of the call are read at the positions the plan names; every intermediate slot
 // is cleared after its last reader, as the generated forward drops its names. Calls are
 // independent (the slots live on the call's stack), so concurrent calls need no lock.
+// The steps run with the GIL released, as torch's runner runs one package.
 #include <torch/extension.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -107,6 +108,44 @@ class Chain {
       TORCH_CHECK(THPVariable_Check(obj), "chain: argument ", position, " is not a tensor");
       slots[slot] = THPVariable_Unpack(obj);
     }
+    // Scalars the ops read from the call, converted while the GIL is held.
+    std::vector<c10::IValue> scalars;
+    for (const auto& step : steps_) {
+      for (const auto& a : step.args) {
+        if (a.kind == OpArg::kCallArg) {
+          TORCH_CHECK(a.index < PyTuple_GET_SIZE(args.ptr()), "chain: called with ",
+                      PyTuple_GET_SIZE(args.ptr()), " arguments");
+          scalars.push_back(
+              torch::jit::toIValue(py::handle(PyTuple_GET_ITEM(args.ptr(), a.index)), a.type));
+        }
+      }
+    }
+    {
+      // The steps run without the GIL, as torch's runner releases it for one package:
+      // other Python threads (a background compile, a server's own) go on meanwhile.
+      // An op with a Python kernel takes the GIL back itself (the dispatcher does).
+      py::gil_scoped_release released;
+      run_steps(slots, scalars);
+    }
+    if (!result_tuple_) {
+      return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(slots[result_[0]])));
+    }
+    py::tuple out(result_.size());
+    for (size_t i = 0; i < result_.size(); ++i) {
+      PyObject* wrapped = THPVariable_Wrap(slots[result_[i]]);
+      if (wrapped == nullptr) {
+        throw py::error_already_set();
+      }
+      PyTuple_SET_ITEM(out.ptr(), i, wrapped);
+    }
+    return out;
+  }
+
+  int64_t size() const { return static_cast<int64_t>(steps_.size()); }
+
+ private:
+  void run_steps(std::vector<at::Tensor>& slots, std::vector<c10::IValue>& scalars) const {
+    size_t next_scalar = 0;
     for (const auto& step : steps_) {
       if (step.runner != nullptr) {
         std::vector<at::Tensor> in;
@@ -129,8 +168,7 @@ class Chain {
               stack.push_back(a.constant);
               break;
             case OpArg::kCallArg:
-              stack.push_back(
-                  torch::jit::toIValue(py::handle(PyTuple_GET_ITEM(args.ptr(), a.index)), a.type));
+              stack.push_back(std::move(scalars[next_scalar++]));
               break;
           }
         }
@@ -144,23 +182,8 @@ class Chain {
         store(slots, step, out);
       }
     }
-    if (!result_tuple_) {
-      return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(slots[result_[0]])));
-    }
-    py::tuple out(result_.size());
-    for (size_t i = 0; i < result_.size(); ++i) {
-      PyObject* wrapped = THPVariable_Wrap(slots[result_[i]]);
-      if (wrapped == nullptr) {
-        throw py::error_already_set();
-      }
-      PyTuple_SET_ITEM(out.ptr(), i, wrapped);
-    }
-    return out;
   }
 
-  int64_t size() const { return static_cast<int64_t>(steps_.size()); }
-
- private:
   static void release(std::vector<at::Tensor>& slots, const Step& step) {
     for (int64_t s : step.release) {
       slots[s].reset();

@@ -10,6 +10,10 @@ user serving from a warm cache gets.
 """
 from __future__ import annotations
 
+import sys
+import threading
+import time
+
 import pytest
 import torch
 import torch.nn as nn
@@ -180,7 +184,7 @@ def test_sdpa_as_dynamo_records_it_runs_in_the_chain(real_defaults, runners, mon
     """``F.scaled_dot_product_attention`` reaches the split graph as the binding
     ``torch._C._nn.scaled_dot_product_attention``: the chain calls the ATen op it stands
     for, with the call's keyword (``is_causal``) and the schema's defaults; the same
-    values as the Python forward, to the bit."""
+    values as the Python forward, to the bit; other Python threads run meanwhile."""
     from dynamo_sizebackend.models.sdpa import TinyTransformer
 
     made, calls = runners
@@ -201,3 +205,24 @@ def test_sdpa_as_dynamo_records_it_runs_in_the_chain(real_defaults, runners, mon
     torch.testing.assert_close(program.chain(args), graph._forward(program, *args),
                                rtol=0, atol=0)
     torch.testing.assert_close(program.chain(args)[0], model(y), atol=1e-5, rtol=1e-5)
+
+    # The steps run without the GIL, as torch's runner runs one package: a thread that
+    # waits for the GIL runs during the chain. (A switch interval of 60 s: no one
+    # hands the GIL over unless a call releases it.)
+    ran, go = [], threading.Event()
+    thread = threading.Thread(target=lambda: (go.wait(), ran.append(1)))
+    thread.start()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(60)
+    try:
+        go.set()
+        deadline = time.perf_counter() + 0.05  # the thread wakes and waits for the GIL
+        while time.perf_counter() < deadline:
+            pass
+        assert not ran
+        program.chain(args)
+        during = list(ran)
+    finally:
+        sys.setswitchinterval(interval)
+        thread.join()
+    assert during == [1]
