@@ -154,7 +154,8 @@ def build(split_gm: torch.fx.GraphModule, pieces: Mapping[str, Callable[..., Any
             if node.target not in split_ops:
                 runner, positions, kind = _package_step(piece)
                 reads = [p.slot_of(node.args[i]) for i in positions]
-                count = _tensor_outputs(getattr(split_gm, node.target)) if kind == "flat" else 1
+                count = _tensor_outputs(node.target, getattr(split_gm, node.target)) \
+                    if kind == "flat" else 1
                 outs = [-1] * count
                 if kind == "one":
                     outs[0] = p.value[node] = p.new_slot()
@@ -217,14 +218,14 @@ def build(split_gm: torch.fx.GraphModule, pieces: Mapping[str, Callable[..., Any
     return _C.Chain(p.slots, p.inputs, steps, result, as_tuple)
 
 
-def _tensor_outputs(gm: torch.fx.GraphModule) -> int:
-    """How many tensors the package of piece ``gm`` returns (each of its outputs must
-    be one: the runner returns tensors only)."""
+def _tensor_outputs(name: str, gm: torch.fx.GraphModule) -> int:
+    """How many tensors the package of piece ``name`` (``gm``) returns (each of its
+    outputs must be one: the runner returns tensors only)."""
     out = next(iter(reversed(gm.graph.nodes))).args[0]
     for node in out:
         value = node.meta.get("val", node.meta.get("example_value"))
         if not isinstance(value, torch.Tensor):
-            raise NotChained(f"{gm}: an output is not known to be a tensor")
+            raise NotChained(f"{name}: an output is not known to be a tensor")
     return len(out)
 
 
