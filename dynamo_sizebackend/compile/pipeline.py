@@ -322,8 +322,7 @@ class GraphCompiler:
         captured = cudagraphs.captures_size(self.options, size)
         if captured:
             pieces = self._captured(sg, pieces, size)
-        split_ops = {p.name for p in sg.pieces if p.is_split_op}
-        run = chain.try_build(sg.gm, pieces, split_ops, self.graph_id, key) \
+        run = chain.try_build(sg.gm, pieces, sg.split_op_names, self.graph_id, key) \
             if self.options.direct_calls and not captured else None
         return Program(
             key, pieces, check=check and check[1], clone_outputs=captured,
@@ -334,9 +333,8 @@ class GraphCompiler:
         """``pieces`` wrapped for CUDA-graph capture at ``size``."""
         if self._factory is None:  # one capture memory pool per Dynamo graph
             self._factory = cudagraphs.CudaGraphFactory()
-        split_ops = {p.name for p in sg.pieces if p.is_split_op}
         return cudagraphs.capture_pieces(
-            sg.gm, split_ops, pieces, size, self._factory, self.options.cudagraph_warmups,
+            sg.gm, sg.split_op_names, pieces, size, self._factory, self.options.cudagraph_warmups,
             mutated=self._mutated,
         )
 

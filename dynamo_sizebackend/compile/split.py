@@ -42,6 +42,11 @@ class SplitGraph:
     def compiled_pieces(self) -> tuple[Piece, ...]:
         return tuple(p for p in self.pieces if not p.is_split_op)
 
+    @property
+    def split_op_names(self) -> frozenset[str]:
+        """The submodule names of the split ops (run eagerly, never compiled)."""
+        return frozenset(p.name for p in self.pieces if p.is_split_op)
+
 
 def _resolve_python(name: str) -> object:
     parts = name.split(".")

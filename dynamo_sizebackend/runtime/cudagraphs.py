@@ -95,7 +95,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 import torch.fx
@@ -362,7 +362,7 @@ def clone_outputs(outputs: Any) -> Any:
     return _map_tensors(torch.Tensor.clone, outputs)
 
 
-def capture_pieces(split_gm: torch.fx.GraphModule, split_ops: set[str], pieces: dict,
+def capture_pieces(split_gm: torch.fx.GraphModule, split_ops: Collection[str], pieces: dict,
                    size: int, factory: GraphFactory, warmups: int,
                    mutated: dict[str, frozenset[int]] | None = None) -> dict:
     """The pieces of ``size`` wrapped for capture/replay (split ops stay eager).
