@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx
 
-from . import aoti, autotune, isa_probe, packed_linear, pch, templates
+from . import aot_checks, aoti, autotune, isa_probe, packed_linear, pch, templates
 from .dynamo import COMPILE_LOCK
 
 log = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ def aot_compile_package(
     # Dynamo's, and AOTInductor's freezing would read that one's (empty) parameters.
     inductor_options, prune = autotune.split(inductor_options)
     with COMPILE_LOCK, torch._guards.tracing(None), warnings.catch_warnings(), \
-            _our_hooks(prune):
+            _our_hooks(prune), aot_checks.torch_checks():
         # Export's functionalization reads ``out.storage()`` (TypedStorage is deprecated).
         warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
         exported = torch.export.export(module, tuple(args), strict=False)
