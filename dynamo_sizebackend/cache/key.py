@@ -40,7 +40,7 @@ import torch
 import torch.fx
 
 from .. import _torch
-from .._torch import distributed, fx, inductor, shape_env
+from .._torch import aot_checks, distributed, fx, inductor, shape_env
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +185,14 @@ def _environment(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> str
         raise Unkeyable(f"Inductor's cache key ({type(e).__name__}: {e})") from None
 
 
+def _codegen() -> str:
+    """Our hooks that change the code Inductor generates, with no effect on results: in
+    the key so that code stored before a hook existed, or with it off, is not served as
+    if built with it (a package built with ``AOTI_TORCH_CHECK`` runs its 4-row GEMM
+    template ~1.4x slower, see :mod:`.._torch.aot_checks`)."""
+    return f"aot_torch_check={aot_checks.enabled()}"
+
+
 def _guards(example_inputs: Sequence[Any]) -> str:
     try:
         return shape_env.shape_guards_text(example_inputs)
@@ -222,6 +230,7 @@ def piece_key(
             _torch.TORCH_VERSION,
             __version__,
             code_key,
+            _codegen(),
             _environment(gm, example_inputs),
             "dynamic" if runtime_size is None else str(runtime_size),
             f"grad={torch.is_grad_enabled()}",

@@ -49,6 +49,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from .._torch import aot_checks
+
 log = logging.getLogger(__name__)
 
 _MESSAGE = 65536  # a job or answer message is far shorter
@@ -240,7 +242,8 @@ def _runtime_state() -> dict[str, Any]:
     return {"threads": torch.get_num_threads(),
             "float32_matmul_precision": torch.get_float32_matmul_precision(),
             "default_dtype": str(torch.get_default_dtype()).removeprefix("torch."),
-            "mkldnn_fp32_precision": torch.backends.mkldnn.matmul.fp32_precision}
+            "mkldnn_fp32_precision": torch.backends.mkldnn.matmul.fp32_precision,
+            "aot_torch_check": aot_checks.enabled()}
 
 
 def _apply(state: Mapping[str, Any]) -> None:
@@ -248,6 +251,8 @@ def _apply(state: Mapping[str, Any]) -> None:
     torch.set_float32_matmul_precision(state["float32_matmul_precision"])
     torch.set_default_dtype(getattr(torch, state["default_dtype"]))
     torch.backends.mkldnn.matmul.fp32_precision = state["mkldnn_fp32_precision"]
+    if aot_checks.enabled() != state["aot_torch_check"]:
+        os.environ["SIZEBACKEND_AOT_TORCH_CHECK"] = "1" if state["aot_torch_check"] else "0"
 
 
 def building(key: str) -> bool:

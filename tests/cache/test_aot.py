@@ -10,6 +10,7 @@ processes).
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -272,9 +273,12 @@ def test_the_worker_takes_on_the_state_the_piece_key_hashes():
     threads = torch.get_num_threads()
     state = package_worker._runtime_state()
     assert state["threads"] == threads
+    assert state["aot_torch_check"] is True
     try:
-        package_worker._apply({**state, "threads": 1})
+        package_worker._apply({**state, "threads": 1, "aot_torch_check": False})
         assert torch.get_num_threads() == 1
+        assert os.environ["SIZEBACKEND_AOT_TORCH_CHECK"] == "0"
     finally:
         package_worker._apply(state)
+        os.environ.pop("SIZEBACKEND_AOT_TORCH_CHECK", None)
     assert package_worker._runtime_state() == state

@@ -89,6 +89,11 @@ def test_identical_layers_share_a_key_and_nothing_else_does(monkeypatch):
     assert piece_key(gm, inputs, size, "other opts") != key
     with torch.enable_grad():
         assert piece_key(gm, inputs, size, "opts") != key
+    # Code built with AOT kernels' checks as Inductor writes them is another entry.
+    with monkeypatch.context() as patch:
+        patch.setenv("SIZEBACKEND_AOT_TORCH_CHECK", "0")
+        assert piece_key(gm, inputs, size, "opts") != key
+    assert piece_key(gm, inputs, size, "opts") == key
     monkeypatch.setattr(_torch, "TORCH_VERSION", "0.0.0+elsewhere")
     assert piece_key(gm, inputs, size, "opts") != key
 
