@@ -14,7 +14,7 @@ the next start. ``store_frozen="inline"`` builds it in the compiling process ins
 
 The worker:
 
-- is started on the first job (``python -m dynamo_sizebackend.cache.package_worker``)
+- is started on the first job (a Python that runs this module's :func:`main`)
   with the caller's environment (``TORCHINDUCTOR_CACHE_DIR`` included) at a lower
   priority (``os.nice``), so its C++ builds yield the cores to serving;
 - gets one message per job on a socket (the path of the job file, and the entry's lock
@@ -54,6 +54,11 @@ from .._torch import aot_checks
 log = logging.getLogger(__name__)
 
 _MESSAGE = 65536  # a job or answer message is far shorter
+#: The worker's program. Not ``-m`` this module: the package's ``__init__`` imports this
+#: module first, and runpy would then run a second copy of it as ``__main__`` (and say so
+#: on stderr with a ``RuntimeWarning``, every worker start).
+_WORKER_MAIN = ("import sys; from dynamo_sizebackend.cache.package_worker import main; "
+                "sys.exit(main(sys.argv[1:]))")
 Spec = tuple[list[int], list[int], str, str]  # shape, stride, dtype, device
 
 
@@ -145,8 +150,7 @@ class _Worker:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "dynamo_sizebackend.cache.package_worker",
-                 str(theirs.fileno())],
+                [sys.executable, "-c", _WORKER_MAIN, str(theirs.fileno())],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env,
             )
         finally:
@@ -339,6 +343,3 @@ def main(argv: Sequence[str]) -> int:
                 pass
         answers = _answer(answers, {"id": request.get("id"), **answer})
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

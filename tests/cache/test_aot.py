@@ -282,3 +282,23 @@ def test_the_worker_takes_on_the_state_the_piece_key_hashes():
         package_worker._apply(state)
         os.environ.pop("SIZEBACKEND_AOT_TORCH_CHECK", None)
     assert package_worker._runtime_state() == state
+
+
+def test_the_worker_starts_quietly_and_ends_with_its_parent():
+    """The worker's program, as the parent starts it: nothing on stderr (``-m`` of a
+    module the package's ``__init__`` imports made runpy warn on every start), and it
+    exits 0 once the parent's end of the socket closes."""
+    import socket
+    import subprocess
+    import sys
+
+    from dynamo_sizebackend.cache import package_worker
+
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    proc = subprocess.Popen([sys.executable, "-c", package_worker._WORKER_MAIN, str(theirs.fileno())],
+                            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    theirs.close()
+    mine.close()
+    out, err = proc.communicate(timeout=120)
+    assert (proc.returncode, out, err) == (0, "", "")
