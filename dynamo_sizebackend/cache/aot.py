@@ -70,8 +70,28 @@ from .store import PieceCache, load_package
 log = logging.getLogger(__name__)
 
 KIND = "aot"
-SENT = object()
-"""What :func:`compile_or_load` returns for a piece handed to the package worker."""
+
+
+class Sent:
+    """What :func:`compile_or_load` returns for a piece handed to the package worker:
+    the JIT path serves it meanwhile; :meth:`load` takes the package once the worker
+    has answered (``compile/swap.py``)."""
+
+    def __init__(self, job: str, cache: PieceCache, key: str, gm: torch.fx.GraphModule,
+                 name: str, positions: Sequence[int], outputs: str | None):
+        self.job, self.cache, self.key, self.name = job, cache, key, name
+        self._gm, self._positions, self._outputs = gm, list(positions), outputs
+
+    def answered(self) -> str | None:
+        """The worker's answer to the job (``"stored"``, ``"present"``, ``"failed"``),
+        ``None`` while it builds."""
+        return package_worker.answer(self.job)
+
+    def load(self) -> "AotPiece | None":
+        """The stored package as a piece (counted as a cache hit), ``None`` where there is
+        none to load (the build failed, or the entry is gone or damaged)."""
+        package = self.cache.lookup(self.key, self._gm, self.name, kind=KIND)
+        return AotPiece(package, self._positions, self._outputs) if package is not None else None
 
 
 def static_reason(inputs: Sequence[Any]) -> str | None:
@@ -133,13 +153,14 @@ class AotPiece:
 
 def _via_worker(cache: PieceCache, artifact_key: str, gm: torch.fx.GraphModule,
                 example: Sequence[Any], config: Mapping[str, Any], key: str, name: str) -> Any:
-    """``store_frozen="worker"``: the stored package, or :data:`SENT` after handing the
-    piece to the package worker (``None`` where that failed): the caller then serves it
-    on the JIT path. The entry's lock is taken before the second look and held until
+    """``store_frozen="worker"``: the stored package, or the id of the worker's job
+    building it (a ``str``; ``None`` where it could not be sent): the caller then serves
+    it on the JIT path. The entry's lock is taken before the second look and held until
     the worker answers, so a peer process that wants the same piece meanwhile waits
     for the package instead of compiling it too (one compile among them)."""
-    if package_worker.building(artifact_key):  # this process sent it already
-        return SENT
+    job = package_worker.building(artifact_key)
+    if job is not None:  # this process sent it already
+        return job
     stamp = cache.stamp(artifact_key)
     package = cache.lookup(artifact_key, gm, name, kind=KIND)
     if package is not None:
@@ -154,7 +175,7 @@ def _via_worker(cache: PieceCache, artifact_key: str, gm: torch.fx.GraphModule,
     sent = package_worker.submit(
         module=_Bound(gm, example), tensors=tensors, config=config,
         cache_dir=cache.disk.root, key=artifact_key, size=key, name=name, held=held)
-    return SENT if sent else None
+    return sent
 
 
 def compile_or_load(
@@ -177,7 +198,7 @@ def compile_or_load(
     size. ``mode="inline"`` builds a missing package here (``build=False``: load only;
     see the module docstring: a background thread never builds one inline);
     ``mode="worker"`` sends it to the package worker (``cache/package_worker.py``) and
-    returns :data:`SENT`: the caller compiles the piece on the JIT path to serve now."""
+    returns a :class:`Sent`: the caller compiles the piece on the JIT path to serve now."""
     if cache.disk is None or static_reason(example) is not None:
         return None
     if distributed.group_names(gm):  # see the module docstring: not as a package
@@ -219,8 +240,10 @@ def compile_or_load(
 
     if mode == "worker":
         package = _via_worker(cache, artifact_key, gm, example, config, key, name)
-        if package is SENT or package is None:
-            return package
+        if isinstance(package, str):
+            return Sent(package, cache, artifact_key, gm, name, positions, outputs)
+        if package is None:
+            return None
     else:
         package = cache.find_or_make(artifact_key, gm, name, make if build else None, kind=KIND)
     return AotPiece(package, positions, outputs) if package is not None else None

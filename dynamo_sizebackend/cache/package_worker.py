@@ -99,11 +99,13 @@ class _Worker:
         self._proc: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
         self._pending: dict[str, _Job] = {}  # by job id
+        self._answers: dict[str, str] = {}  # by job id: "stored", "present", "failed"
+        self.answered = 0  # answers so far: a change tells a poller to look again
         self._summary = Summary()
         self._next = 0
 
-    def submit(self, job: Mapping[str, Any], name: str, held: Any) -> bool:
-        """Hand ``job`` to the worker; ``False`` (logged) where it cannot be sent.
+    def submit(self, job: Mapping[str, Any], name: str, held: Any) -> str | None:
+        """Hand ``job`` to the worker: its id, or ``None`` (logged) where it cannot be sent.
         ``held``: the entry's lock (:meth:`.store.PieceCache.hold`): its file
         descriptor travels with the job, so the worker holds the lock from here until
         it has written the entry, even if this process exits first; this process's
@@ -116,7 +118,7 @@ class _Worker:
             except Exception as e:  # an unpicklable constant or config value
                 os.unlink(path)
                 _failed(name, f"cannot be handed to the package worker ({type(e).__name__}: {e})")
-                return False
+                return None
             with self._lock:
                 self._next += 1
                 job_id = f"{os.getpid()}-{self._next}"
@@ -127,17 +129,18 @@ class _Worker:
                 except OSError as e:
                     os.unlink(path)
                     _failed(name, f"the package worker did not take it ({e})")
-                    return False
+                    return None
                 self._pending[job_id] = _Job(name, job["key"])
                 self._summary.pending = len(self._pending)
         finally:
             held.release()
         log.debug("sent %s to the package worker (job %s)", name, job_id)
-        return True
+        return job_id
 
-    def building(self, key: str) -> bool:
+    def building(self, key: str) -> str | None:
+        """The id of this process's pending job for entry ``key``, if there is one."""
         with self._lock:
-            return any(job.key == key for job in self._pending.values())
+            return next((job_id for job_id, job in self._pending.items() if job.key == key), None)
 
     def _start(self) -> socket.socket:
         if self._proc is not None and self._proc.poll() is None and self._sock is not None:
@@ -177,12 +180,14 @@ class _Worker:
                 if job is not None:
                     self._record(answer, job.name)
                     self._summary.pending = len(self._pending)
+                    self._answer(answer["id"], str(answer.get("status")))
                 self._lock.notify_all()
         proc.wait()
         with self._lock:  # the worker died with jobs unanswered (killed, or crashed)
             if self._proc is proc:
                 lost, self._pending = dict(self._pending), {}
-                for job in lost.values():
+                for job_id, job in lost.items():
+                    self._answer(job_id, "failed")
                     self._summary.failed += 1
                     _failed(job.name, f"the package worker exited (status {proc.returncode}) "
                                       "before building it")
@@ -190,6 +195,17 @@ class _Worker:
                 self._proc, self._sock = None, None
                 sock.close()
             self._lock.notify_all()
+
+    def _answer(self, job_id: str, status: str) -> None:
+        """Note how job ``job_id`` ended (the caller holds the lock)."""
+        self._answers[job_id] = status if status in ("stored", "present") else "failed"
+        self.answered += 1
+
+    def answer(self, job_id: str) -> str | None:
+        """How job ``job_id`` ended: ``"stored"``, ``"present"`` (another process wrote
+        the entry first), ``"failed"``; ``None`` while pending or never sent."""
+        with self._lock:
+            return self._answers.get(job_id)
 
     def _record(self, answer: Mapping[str, Any], name: str) -> None:
         status = answer.get("status")
@@ -228,10 +244,11 @@ _WORKER = _Worker()
 
 
 def submit(*, module: torch.nn.Module, tensors: Sequence[torch.Tensor], config: Mapping[str, Any],
-           cache_dir: str, key: str, size: str, name: str, held: Any) -> bool:
+           cache_dir: str, key: str, size: str, name: str, held: Any) -> str | None:
     """Ask the worker to build ``module`` (taking ``tensors``' shapes) as the package of
     entry ``key`` in ``cache_dir``, whose lock the caller ``held`` (the worker builds
-    under it, so it does not take it again). Returns at once; whether the job was sent."""
+    under it, so it does not take it again). Returns at once: the job's id, ``None``
+    where it was not sent."""
     job = {"module": module, "specs": [spec_of(t) for t in tensors], "config": dict(config),
            "cache_dir": cache_dir, "key": key, "size": size, "name": name,
            "state": _runtime_state()}
@@ -259,8 +276,19 @@ def _apply(state: Mapping[str, Any]) -> None:
         os.environ["SIZEBACKEND_AOT_TORCH_CHECK"] = "1" if state["aot_torch_check"] else "0"
 
 
-def building(key: str) -> bool:
-    """Whether this process sent entry ``key`` to the worker and awaits its answer."""
+def answer(job_id: str) -> str | None:
+    """How this process's job ``job_id`` ended (see :meth:`_Worker.answer`)."""
+    return _WORKER.answer(job_id)
+
+
+def answered() -> int:
+    """How many jobs this process's worker has answered: unchanged means nothing new
+    (one attribute read; what a serving call polls)."""
+    return _WORKER.answered
+
+
+def building(key: str) -> str | None:
+    """The job this process sent for entry ``key`` and awaits the answer of, if any."""
     return _WORKER.building(key)
 
 

@@ -29,6 +29,7 @@ from ..runtime import chain, cudagraphs, padding
 from ..runtime.runner import Program, Runner, generated_forward
 from ..stats import COUNTERS
 from . import background, floats, freeze, guards, linears, rows
+from . import swap as swap_
 from .adaptor import (
     CompiledPiece,
     CompilerAdaptor,
@@ -103,11 +104,12 @@ class GraphCompiler:
         self._packable: set[str] = set()  # weights an unfrozen piece's linears may pack (linears.py)
         self._runner: weakref.ref[Runner] | None = None
 
-    def _compile(self, name: str, gm, inputs, size, key, fake_mode=None, keep=None) -> CompiledPiece:
+    def _compile(self, name: str, gm, inputs, size, key, fake_mode=None, keep=None,
+                 sent: dict[str, aot.Sent] | None = None) -> CompiledPiece:
         """One piece, traced (``sizebackend_piece`` under ``TORCH_TRACE``: its size, how
         it was served and the seconds); see :meth:`_compile_piece`."""
         before, start = COUNTERS.snapshot(), time.perf_counter()
-        compiled, artifact = self._compile_piece(name, gm, inputs, size, key, fake_mode, keep)
+        compiled, artifact = self._compile_piece(name, gm, inputs, size, key, fake_mode, keep, sent)
         seconds = time.perf_counter() - start
 
         def payload() -> dict[str, Any]:
@@ -121,19 +123,23 @@ class GraphCompiler:
         observe.artifact("sizebackend_piece", payload)
         return compiled
 
-    def _compile_piece(self, name: str, gm, inputs, size, key, fake_mode, keep
-                       ) -> tuple[CompiledPiece, Any]:
+    def _compile_piece(self, name: str, gm, inputs, size, key, fake_mode, keep,
+                       sent: dict[str, aot.Sent] | None = None) -> tuple[CompiledPiece, Any]:
         """The piece to call, and what compiled it (the Inductor artifact, an AOT
         package; for the trace). ``keep``: ``gm`` is a frozen copy of the piece that takes only the arguments
         at these positions. Torch cannot save a frozen JIT compile, so with the disk
         cache on it is compiled ahead of time instead and stored (``cache/aot.py``);
         where it cannot be, it compiles on the JIT path, not cached
-        (``cache_skips["frozen"]``)."""
+        (``cache_skips["frozen"]``). A piece handed to the package worker compiles on
+        the JIT path too, and is noted in ``sent`` (``compile/swap.py``)."""
         if keep is not None:
             stored = self._stored_frozen(name, gm, inputs, size, key, keep)
             if stored is None:
                 COUNTERS.add_keyed("cache_skips", "frozen")
-            elif stored is not aot.SENT:  # SENT: the worker stores it, the JIT path serves
+            elif isinstance(stored, aot.Sent):  # the worker stores it, the JIT path serves
+                if sent is not None:
+                    sent[name] = stored
+            else:
                 self.progress.step()
                 return stored, stored
         compiled = compile_piece(
@@ -285,6 +291,7 @@ class GraphCompiler:
         # Recorded before anything compiles: a write during the compile is seen.
         frozen = freeze.FrozenWeights(frozen_names, frozen_now) if frozen_names else None
         pieces: dict[str, CompiledPiece] = {}
+        sent: dict[str, aot.Sent] = {}
         packed = 0
         for piece in sg.pieces:
             if piece.is_split_op:
@@ -303,7 +310,8 @@ class GraphCompiler:
                 example = concrete.convert(piece_inputs)
                 with session():
                     pieces[piece.name] = self._compile(
-                        piece.name, sub, example, size, key, fake_mode=concrete.fake_mode, keep=keep
+                        piece.name, sub, example, size, key, fake_mode=concrete.fake_mode,
+                        keep=keep, sent=sent,
                     )
             except Exception as e:  # counted, logged, visible in stats; strict raises
                 self.fallbacks.record(key, piece.name, e)
@@ -322,12 +330,16 @@ class GraphCompiler:
         captured = cudagraphs.captures_size(self.options, size)
         if captured:
             pieces = self._captured(sg, pieces, size)
-        run = chain.try_build(sg.gm, pieces, sg.split_op_names, self.graph_id, key) \
-            if self.options.direct_calls and not captured else None
-        return Program(
-            key, pieces, check=check and check[1], clone_outputs=captured,
-            frozen=frozen, chain=run,
-        )
+        def program(pieces: dict[str, CompiledPiece], swap: swap_.PackageSwap | None = None) -> Program:
+            run = chain.try_build(sg.gm, pieces, sg.split_op_names, self.graph_id, key) \
+                if self.options.direct_calls and not captured else None
+            return Program(key, pieces, check=check and check[1], clone_outputs=captured,
+                           frozen=frozen, chain=run, swap=swap)
+
+        if sent and not captured:
+            return program(pieces, swap_.PackageSwap(
+                sent, lambda loaded: program({**pieces, **loaded}), self.graph_id, key))
+        return program(pieces)
 
     def _captured(self, sg: SplitGraph, pieces: dict[str, CompiledPiece], size: int) -> dict:
         """``pieces`` wrapped for CUDA-graph capture at ``size``."""

@@ -6,7 +6,8 @@ size (or the general ones). A call is then: read one dim, one dict lookup, one c
 bump, and the generated forward; no FX interpreter on the hot path. A compile that
 finishes later (lazy/background) publishes a new program with one dict assignment.
 
-Concurrency: programs are never mutated after they are published, and a call of
+Concurrency: programs are never mutated after they are published (a program whose
+pieces the package worker builds is replaced by a new one, ``compile/swap.py``), and a call of
 uncaptured pieces touches no state of the runner but counters (which lock), so
 concurrent calls of one runner need no lock of the runner's. Captured programs
 (``cudagraphs``) are different: their pieces copy inputs into fixed buffers, replay into
@@ -49,9 +50,11 @@ class Program:
         clone_outputs: bool = False,
         frozen: Any = None,
         chain: Callable[[tuple[Any, ...]], Any] | None = None,
+        swap: Any = None,
     ):
         self.key = key
         self.chain = chain  # runtime/chain.py: the whole forward in one C++ call
+        self.swap = swap  # compile/swap.PackageSwap: pieces the package worker is building
         self.check = check
         self.frozen = frozen  # compile/freeze.FrozenWeights of a size compiled with constant weights
         self.clone_outputs = clone_outputs  # captured: CUDA-graph replays overwrite their outputs
@@ -206,6 +209,19 @@ class Runner:
         if program.frozen is not None:
             program.frozen.retire()
 
+    def _swap(self, size: int, program: Program) -> Program:
+        """The package worker answered for every piece of ``size`` it was building: from
+        this call on, ``size`` runs a program of the stored packages (``compile/swap.py``),
+        if ``program`` is still the one published."""
+        swapped = program.swap.build()
+        if swapped is None:
+            return program
+        with self._lock:
+            if self._by_size.get(size) is not program:  # retired meanwhile
+                return program
+            self._by_size[size] = swapped
+        return swapped
+
     def _guard_miss(self, size: int, program: Program) -> Program:
         if size not in self._guard_misses:
             self._guard_misses.add(size)
@@ -228,6 +244,8 @@ class Runner:
                 program = self._retire(size, program, args)
             elif program.check is not None and not program.check(args):
                 program = self._guard_miss(size, program)
+            elif program.swap is not None and program.swap.due():
+                program = self._swap(size, program)
             if program is self._general and self._pad is not None:
                 return self._padded(args, size)
             if size not in self._seen:
@@ -260,6 +278,8 @@ class Runner:
         if program is not None and program.weights_changed(args):
             program = self._retire(target, program, args)
             program = None if program is self._general else program
+        elif program is not None and program.swap is not None and program.swap.due():
+            program = self._swap(target, program)
         padded = self._pad.pad(args, size, target) if program is not None else None
         if program is None or (program.check is not None and not program.check(tuple(padded))):
             COUNTERS.add_keyed("calls", self._general.key)

@@ -258,6 +258,12 @@ def test_by_default_the_package_is_built_by_a_worker_while_the_jit_piece_serves(
     assert done.stored - before.stored == 1
     assert _kinds(tmp_path) == {"jit": 1, "aot": 1}
 
+    # The running process takes the package on its next call of size 4, once.
+    with sb.expect(compiles={}, cache_hits=1, cache_misses=0, calls={4: 1}):
+        torch.testing.assert_close(compiled(_x(4)), model(_x(4)), **TOL)
+    with sb.expect(compiles={}, cache_hits=0, calls={4: 1}):
+        torch.testing.assert_close(compiled(_x(4)), model(_x(4)), **TOL)
+
     _restart()
     with sb.expect(compiles={}, cache_hits=2, cache_misses=0):
         compiled = compile_sb(model, **options)
