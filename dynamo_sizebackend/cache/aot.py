@@ -57,6 +57,7 @@ import logging
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -78,7 +79,7 @@ class Sent:
     has answered (``compile/swap.py``)."""
 
     def __init__(self, job: str, cache: PieceCache, key: str, gm: torch.fx.GraphModule,
-                 name: str, positions: Sequence[int], outputs: str | None):
+                 name: str, positions: Sequence[int], outputs: Outputs | None):
         self.job, self.cache, self.key, self.name = job, cache, key, name
         self._gm, self._positions, self._outputs = gm, list(positions), outputs
 
@@ -121,28 +122,40 @@ class _Bound(torch.nn.Module):
         return self.piece(*[self.ints[i] if i in self.ints else next(given) for i in range(self.count)])
 
 
-def _outputs(gm: torch.fx.GraphModule) -> str | None:
-    """``"one"`` (a single tensor), ``"flat"`` (a tuple or list of nodes) or ``None``
-    (anything else: the package's own ``__call__`` rebuilds it)."""
+@dataclass(frozen=True)
+class Outputs:
+    """What a piece returns, where its package's flat ``run`` can give it: ``"one"``
+    tensor or a ``"flat"`` tuple of ``count`` tensors."""
+
+    kind: str
+    count: int
+
+
+def _outputs(gm: torch.fx.GraphModule) -> Outputs | None:
+    """The piece's :class:`Outputs`; ``None`` for anything else (an output not known to
+    be a tensor, which the flat ``run`` would leave out; a nested structure): the
+    package's own ``__call__`` rebuilds it."""
     out = next(iter(reversed(gm.graph.nodes))).args[0]
-    if isinstance(out, torch.fx.Node):
-        return "one"
-    if isinstance(out, (tuple, list)) and all(isinstance(v, torch.fx.Node) for v in out):
-        return "flat"
-    return None
+    nodes = [out] if isinstance(out, torch.fx.Node) else out
+    if not isinstance(nodes, (tuple, list)) or not all(
+            isinstance(v, torch.fx.Node)
+            and isinstance(v.meta.get("val", v.meta.get("example_value")), torch.Tensor)
+            for v in nodes):
+        return None
+    return Outputs("one" if isinstance(out, torch.fx.Node) else "flat", len(nodes))
 
 
 class AotPiece:
     """A loaded package called with the split graph's arguments of the piece."""
 
-    def __init__(self, package: Any, positions: Sequence[int], outputs: str | None):
+    def __init__(self, package: Any, positions: Sequence[int], outputs: Outputs | None):
         self.package = package
         self.positions = tuple(positions)
         run = inductor.aot_runner(package) if outputs is not None else None
         self.outputs = outputs if run is not None else None  # how runtime/chain.py reads it
         if run is None:
             self._call = lambda tensors: package(*tensors)
-        elif outputs == "one":
+        elif outputs.kind == "one":
             self._call = lambda tensors: run(tensors)[0]
         else:
             self._call = run

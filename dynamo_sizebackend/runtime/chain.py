@@ -42,12 +42,14 @@ class NotChained(Exception):
     """Why a program keeps the generated forward (logged at DEBUG)."""
 
 
-def _package_step(piece: Any) -> tuple[Any, tuple[int, ...], str]:
-    """The runner, argument positions and output kind of an AOT piece."""
+def _package_step(piece: Any) -> tuple[Any, tuple[int, ...], Any]:
+    """The runner, argument positions and outputs (``cache.aot.Outputs``) of an AOT piece."""
     from ..cache.aot import AotPiece  # cache imports runtime modules
 
-    if not isinstance(piece, AotPiece) or piece.outputs is None:
+    if not isinstance(piece, AotPiece):
         raise NotChained(f"a piece is not an AOT package ({type(piece).__name__})")
+    if piece.outputs is None:
+        raise NotChained("a package's outputs are not one tensor or a tuple of tensors")
     if not isinstance(piece.package, aoti.AlignedCpuPackage):
         raise NotChained("a package runs on torch's loader, not the container runner")
     return piece.package.runner, piece.positions, piece.outputs
@@ -152,12 +154,10 @@ def build(split_gm: torch.fx.GraphModule, pieces: Mapping[str, Callable[..., Any
             if piece is None:
                 raise NotChained(f"no piece {node.target}")
             if node.target not in split_ops:
-                runner, positions, kind = _package_step(piece)
+                runner, positions, outputs = _package_step(piece)
                 reads = [p.slot_of(node.args[i]) for i in positions]
-                count = _tensor_outputs(node.target, getattr(split_gm, node.target)) \
-                    if kind == "flat" else 1
-                outs = [-1] * count
-                if kind == "one":
+                outs = [-1] * outputs.count
+                if outputs.kind == "one":
                     outs[0] = p.value[node] = p.new_slot()
                 else:
                     p.value[node] = outs
@@ -216,17 +216,6 @@ def build(split_gm: torch.fx.GraphModule, pieces: Mapping[str, Callable[..., Any
     steps = [(kind, target, args, outs, release[i])
              for i, (kind, target, args, outs) in enumerate(p.steps)]
     return _C.Chain(p.slots, p.inputs, steps, result, as_tuple)
-
-
-def _tensor_outputs(name: str, gm: torch.fx.GraphModule) -> int:
-    """How many tensors the package of piece ``name`` (``gm``) returns (each of its
-    outputs must be one: the runner returns tensors only)."""
-    out = next(iter(reversed(gm.graph.nodes))).args[0]
-    for node in out:
-        value = node.meta.get("val", node.meta.get("example_value"))
-        if not isinstance(value, torch.Tensor):
-            raise NotChained(f"{name}: an output is not known to be a tensor")
-    return len(out)
 
 
 def try_build(split_gm: torch.fx.GraphModule, pieces: Mapping[str, Callable[..., Any]],
