@@ -27,6 +27,8 @@ Candidates (``--candidates``, comma-separated; ``all`` for every one):
   python-forward the CPU default with ``direct_calls=False``: with ``--packaged``, the
                  pieces called from Python rather than as one C++ chain
                  (``runtime/chain.py``)
+  unsplit        the CPU default with ``splitting_ops=[]``: each size one piece, attention
+                 inside it; what the split costs
 
 ``--packaged``: every candidate's frozen pieces are built as AOT packages (``cache_dir``
 a fresh folder, ``store_frozen="inline"``): what a server restarted on a warm cache
@@ -73,10 +75,12 @@ CANDIDATES = {
     "freeze+autotune+concat": dict(SIZED_DEFAULTS["cpu"]),
     "freeze+autotune+grouped": {**SIZED_DEFAULTS["cpu"], "cpp.enable_grouped_gemm_template": True},
     "python-forward": dict(SIZED_DEFAULTS["cpu"]),
+    "unsplit": dict(SIZED_DEFAULTS["cpu"]),
 }
 #: Backend options a candidate sets besides its Inductor patches.
 BACKEND_OPTIONS = {"freeze+autotune-full": {"prune_autotune": False},
-                   "python-forward": {"direct_calls": False}}
+                   "python-forward": {"direct_calls": False},
+                   "unsplit": {"splitting_ops": []}}
 
 
 def build(name: str, dim: int, layers: int, seq: int):

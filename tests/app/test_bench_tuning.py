@@ -31,15 +31,17 @@ def test_candidates_are_timed_beside_a_peer(capsys):
 def test_packaged_candidates_run_from_stored_packages(tmp_path, capsys):
     """``--packaged``: the frozen sized pieces are AOT packages (stored, none skipped
     as frozen), which ``python-forward`` (the default with ``direct_calls=False``)
-    reuses rather than compiles again."""
+    reuses rather than compiles again; ``unsplit`` compiles each size as one piece."""
     bt = load_benchmark("bench_tuning")
     args = ["--model", "sdpa", "--dim", "16", "--layers", "1", "--seq", "2", "--sizes", "2",
-            "--candidates", "freeze+autotune+concat,python-forward", "--iters", "2"]
+            "--candidates", "freeze+autotune+concat,python-forward,unsplit", "--iters", "2"]
     assert bt.main(args + ["--packaged", "--json", str(tmp_path / "p.json")]) == 0
     stats = json.loads((tmp_path / "p.json").read_text())["stats"]
     assert "frozen" not in stats["cache_skips"], stats
     # Each frozen piece compiled and stored once (2 per size: before and after the
-    # attention), by the first candidate; the second reuses them.
-    assert stats["compiles"]["2"] == 2 and stats["reused"] >= 2, stats
+    # attention), by the first candidate; the second reuses them; the unsplit one adds
+    # its single piece.
+    assert stats["compiles"]["2"] == 3 and stats["reused"] >= 2, stats
     err = capsys.readouterr().err
     assert re.search(r"sb python-forward: first calls", err), err
+    assert re.search(r"sb unsplit: first calls", err), err
