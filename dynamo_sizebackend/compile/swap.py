@@ -16,8 +16,10 @@ size made of them in place of the old one: the same shape check and frozen-weigh
 record, chained where all pieces are now packages (a piece whose build failed keeps its
 JIT compile). Loaded on a serving call, not on the worker's reader thread, so that
 counters move only inside calls, and never for a program that a weight change retired
-meanwhile (the runner checks the weights first). One swap per program: after it, or
-when nothing could be loaded, it is never asked again.
+meanwhile (the runner checks the weights first), and never while a compile holds
+Dynamo's compile lock (which loading a package takes: a call does not wait for a
+background compile; the next one swaps). One swap per program: after it, or when
+nothing could be loaded, it is never asked again.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import logging
 import threading
 from typing import Any, Callable, Mapping
 
+from .._torch.dynamo import COMPILE_LOCK
 from ..cache import aot, package_worker
 
 log = logging.getLogger(__name__)
@@ -58,17 +61,20 @@ class PackageSwap:
 
     def build(self) -> Any:
         """The program with every stored package in place of its JIT piece; ``None``
-        where none loads, or another call swapped already."""
-        with self._lock:
-            if self.done:
+        where none loads, where another call swapped or is swapping, or where a compile
+        holds Dynamo's compile lock (a background compile of another size: loading a
+        package takes that lock, and a serving call never waits for a compile; a later
+        call swaps)."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            if self.done or not COMPILE_LOCK.acquire(blocking=False):
                 return None
-            self.done = True
-            loaded = {}
-            for name, sent in self._sent.items():
-                if sent.answered() in ("stored", "present"):
-                    piece = sent.load()
-                    if piece is not None:
-                        loaded[name] = piece
+            try:
+                self.done = True
+                loaded = self._load()
+            finally:
+                COMPILE_LOCK.release()
             if not loaded:
                 log.info("sizebackend: graph %d: size %s keeps its JIT pieces (no package "
                          "of the worker's loaded)", self._graph_id, self._key)
@@ -78,3 +84,14 @@ class PackageSwap:
                      "(of %d sent)%s", self._graph_id, self._key, len(loaded), len(self._sent),
                      ", as one chain" if program.chain is not None else "")
             return program
+        finally:
+            self._lock.release()
+
+    def _load(self) -> dict[str, Any]:
+        loaded = {}
+        for name, sent in self._sent.items():
+            if sent.answered() in ("stored", "present"):
+                piece = sent.load()
+                if piece is not None:
+                    loaded[name] = piece
+        return loaded

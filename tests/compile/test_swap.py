@@ -9,6 +9,7 @@ dynamic (every sized piece static, so each can be a package), split at attention
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -70,6 +71,29 @@ def test_a_cold_start_runs_the_workers_packages_as_a_chain(real_defaults, runner
     assert cold.chain is None and cold.swap is not None
     done = sb.wait_for_packages(timeout=600)
     assert (done.pending, done.failed - before.failed, done.stored - before.stored) == (0, 0, 3), done.errors
+
+    # Not while a compile (here: another thread) holds Dynamo's compile lock: the call
+    # runs the JIT pieces at once rather than wait for it to load the packages.
+    from dynamo_sizebackend._torch.dynamo import COMPILE_LOCK
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with COMPILE_LOCK:
+            held.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(60)
+        with sb.expect(compiles={}, cache_hits=0, calls={2: 1}):
+            x = _batch(2, 3)
+            torch.testing.assert_close(compiled(x), model(x), **TOL)
+        assert graph._by_size[2] is cold
+    finally:
+        release.set()
+        holder.join()
 
     # The next call of size 2 loads the three packages and runs them as one chain.
     with caplog.at_level(logging.INFO, logger="dynamo_sizebackend"), \
