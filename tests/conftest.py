@@ -42,3 +42,41 @@ def real_defaults(monkeypatch):
 @pytest.fixture
 def run_dir(tmp_path):
     return tmp_path
+
+
+@pytest.fixture
+def no_shared_pieces():
+    """No piece served from the in-process table of compiled pieces: it is held weakly,
+    so a piece an earlier test still keeps alive would turn this test's compiles into
+    ``reused``."""
+    from dynamo_sizebackend.cache import store
+
+    store.forget_shared()
+    yield
+    store.forget_shared()
+
+
+@pytest.fixture
+def runners(monkeypatch, no_shared_pieces):
+    """Every Runner the backend makes in the test, and how often a package piece runs
+    from Python (``AotPiece.__call__``) rather than inside a chain."""
+    from dynamo_sizebackend.cache import aot
+    from dynamo_sizebackend.runtime import runner
+
+    made: list[runner.Runner] = []
+    init = runner.Runner.__init__
+
+    def record(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(runner.Runner, "__init__", record)
+    calls = {"pieces": 0}
+    piece_call = aot.AotPiece.__call__
+
+    def counted(self, *args):
+        calls["pieces"] += 1
+        return piece_call(self, *args)
+
+    monkeypatch.setattr(aot.AotPiece, "__call__", counted)
+    return made, calls

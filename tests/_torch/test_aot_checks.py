@@ -22,6 +22,8 @@ from dynamo_sizebackend.cache.store import DiskCache
 
 from ..nets import compile_sb
 
+pytestmark = pytest.mark.usefixtures("no_shared_pieces")
+
 
 class Lookup(nn.Module):
     def __init__(self, vocab: int = 100, dim: int = 32):
@@ -49,13 +51,6 @@ def _kernel_sources(cache_dir) -> list[str]:
     path.write_bytes(disk.read(key))
     with zipfile.ZipFile(path) as archive:
         return [archive.read(n).decode() for n in archive.namelist() if n.endswith("kernel.cpp")]
-
-
-@pytest.fixture(autouse=True)
-def _no_shared_pieces():
-    store.forget_shared()
-    yield
-    store.forget_shared()
 
 
 @pytest.mark.inductor

@@ -22,17 +22,10 @@ from dynamo_sizebackend.cache.store import DiskCache
 
 from ..nets import MLP, compile_sb
 
-pytestmark = pytest.mark.inductor
+pytestmark = [pytest.mark.inductor, pytest.mark.usefixtures("no_shared_pieces")]
 
 FREEZE = {"compile_sizes": [4], "sized_inductor_options": {"freezing": True}, "store_frozen": "inline"}
 TOL = {"rtol": 1e-5, "atol": 1e-5}
-
-
-@pytest.fixture(autouse=True)
-def _no_shared_pieces():
-    store.forget_shared()
-    yield
-    store.forget_shared()
 
 
 def _restart():

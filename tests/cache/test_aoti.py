@@ -27,6 +27,8 @@ from dynamo_sizebackend.cache.store import DiskCache
 
 from ..nets import MLP, compile_sb
 
+pytestmark = pytest.mark.usefixtures("no_shared_pieces")
+
 
 class Chain(nn.Module):
     def __init__(self, dim: int = 32, hidden: int = 64):
@@ -73,13 +75,6 @@ def _table(path: str) -> list[aoti.Constant]:
     with zipfile.ZipFile(path) as archive:
         (wrapper,) = [n for n in archive.namelist() if n.endswith("wrapper.cpp")]
         return aoti.parse_constants(archive.read(wrapper).decode())
-
-
-@pytest.fixture(autouse=True)
-def _no_shared_pieces():
-    store.forget_shared()
-    yield
-    store.forget_shared()
 
 
 @pytest.mark.inductor

@@ -28,15 +28,9 @@ from dynamo_sizebackend.cache.key import piece_key
 from ..nets import MLP, TinyTransformer, batch, compile_sb
 from ..spies import count_float_restarts
 
+pytestmark = pytest.mark.usefixtures("no_shared_pieces")
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(autouse=True)
-def _no_shared_pieces():
-    """Pieces shared in memory by earlier tests would turn compiles into ``reused``."""
-    cache.forget_shared()
-    yield
-    cache.forget_shared()
 
 
 def _restart():

@@ -19,21 +19,11 @@ import torch.nn as nn
 
 import dynamo_sizebackend as sb
 from dynamo_sizebackend._torch import inductor
-from dynamo_sizebackend.cache import store
 
-pytestmark = pytest.mark.inductor
+pytestmark = [pytest.mark.inductor, pytest.mark.usefixtures("no_shared_pieces")]
 
 FREEZE = {"compile_sizes": [2], "sized_inductor_options": {"freezing": True}, "cache_dir": None}
 TOL = {"rtol": 1e-5, "atol": 1e-5}
-
-
-@pytest.fixture(autouse=True)
-def _no_shared_pieces():
-    """The counts below are this test's compiles: no piece served from the in-process
-    table (held weakly, so a piece an earlier test still keeps alive would be reused)."""
-    store.forget_shared()
-    yield
-    store.forget_shared()
 
 
 class Net(nn.Module):

@@ -15,37 +15,11 @@ import pytest
 import torch
 
 import dynamo_sizebackend as sb
-from dynamo_sizebackend.cache import aot, store
+from dynamo_sizebackend.cache import aot
 from dynamo_sizebackend.models.sdpa import TinyTransformer
-from dynamo_sizebackend.runtime import runner
 
 pytestmark = pytest.mark.inductor
 TOL = {"atol": 1e-5, "rtol": 1e-5}
-
-
-@pytest.fixture
-def runners(monkeypatch):
-    """Every Runner the backend makes in the test, and how often a package runs from
-    Python (``AotPiece.__call__``) rather than in a chain."""
-    made: list[runner.Runner] = []
-    init = runner.Runner.__init__
-
-    def record(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(runner.Runner, "__init__", record)
-    calls = {"pieces": 0}
-    piece_call = aot.AotPiece.__call__
-
-    def counted(self, *args):
-        calls["pieces"] += 1
-        return piece_call(self, *args)
-
-    monkeypatch.setattr(aot.AotPiece, "__call__", counted)
-    store.forget_shared()
-    yield made, calls
-    store.forget_shared()
 
 
 def _batch(n: int, seed: int) -> torch.Tensor:

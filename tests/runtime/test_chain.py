@@ -19,38 +19,13 @@ import torch
 import torch.nn as nn
 
 import dynamo_sizebackend as sb
-from dynamo_sizebackend.cache import aot, store
-from dynamo_sizebackend.runtime import chain, runner
+from dynamo_sizebackend.runtime import runner
 from dynamo_sizebackend.models import config
 
 from ..models.test_llama import assert_caches_equal, fresh, run, serving_steps
 from ..nets import compile_sb
 
 pytestmark = pytest.mark.inductor
-
-
-@pytest.fixture
-def runners(monkeypatch):
-    """Every Runner the backend makes in the test, and how often a piece runs from
-    Python (``AotPiece.__call__``)."""
-    made: list[runner.Runner] = []
-    init = runner.Runner.__init__
-
-    def record(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(runner.Runner, "__init__", record)
-    calls = {"pieces": 0}
-    piece_call = aot.AotPiece.__call__
-
-    def counted(self, *args):
-        calls["pieces"] += 1
-        return piece_call(self, *args)
-
-    monkeypatch.setattr(aot.AotPiece, "__call__", counted)
-    store.forget_shared()
-    return made, calls
 
 
 def _args(monkeypatch, compiled, step) -> tuple:
