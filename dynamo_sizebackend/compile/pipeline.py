@@ -330,6 +330,7 @@ class GraphCompiler:
         captured = cudagraphs.captures_size(self.options, size)
         if captured:
             pieces = self._captured(sg, pieces, size)
+
         def program(pieces: dict[str, CompiledPiece], swap: swap_.PackageSwap | None = None) -> Program:
             run = chain.try_build(sg.gm, pieces, sg.split_op_names, self.graph_id, key) \
                 if self.options.direct_calls and not captured else None
