@@ -13,13 +13,43 @@
 #include <ATen/MemoryOverlap.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/Version.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
+#include <type_traits>
 #include <vector>
+
+// The inner kernel, once per instruction set (attention_group.h says why).
+#define SIZEBACKEND_VECTOR_BYTES 16
+namespace sizebackend::isa_default {
+#include "attention_group.h"
+}  // namespace sizebackend::isa_default
+#undef SIZEBACKEND_VECTOR_BYTES
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define SIZEBACKEND_X86_COPIES 1
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#define SIZEBACKEND_VECTOR_BYTES 32
+namespace sizebackend::isa_avx2 {
+#include "attention_group.h"
+}  // namespace sizebackend::isa_avx2
+#undef SIZEBACKEND_VECTOR_BYTES
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,prefer-vector-width=512")
+#define SIZEBACKEND_VECTOR_BYTES 64
+namespace sizebackend::isa_avx512 {
+#include "attention_group.h"
+}  // namespace sizebackend::isa_avx512
+#undef SIZEBACKEND_VECTOR_BYTES
+#pragma GCC pop_options
+#endif
 
 namespace sizebackend {
 namespace {
@@ -171,9 +201,103 @@ void write_cache(
   }
 }
 
-// Pass 2: one (token, head) pair per work item; every item only reads the caches and
-// writes its own output row, so items run in parallel without synchronization. `q` has
-// dense rows of D; its tokens and heads may be strided.
+// Which copy of attend_group runs: ATen's CPU capability (ATEN_CPU_CAPABILITY applies, so
+// what ATen's own kernels run on this CPU, our op runs too), where this CPU has it.
+enum class Isa { kDefault, kAvx2, kAvx512 };
+
+Isa choose_isa() {
+#ifdef SIZEBACKEND_X86_COPIES
+  const std::string capability = at::get_cpu_capability();
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (capability == "AVX512" && avx2 && __builtin_cpu_supports("avx512f") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512dq")) {
+    return Isa::kAvx512;
+  }
+  if ((capability == "AVX2" || capability == "AVX512") && avx2) {
+    return Isa::kAvx2;
+  }
+#endif
+  return Isa::kDefault;
+}
+
+Isa isa() {
+  static const Isa chosen = choose_isa();
+  return chosen;
+}
+
+template <typename scalar_t>
+using GroupKernel = void (*)(const scalar_t*, int64_t, const scalar_t*, const scalar_t*, int64_t,
+                             int64_t, int64_t, int64_t, float, float*, scalar_t*);
+
+template <typename scalar_t>
+GroupKernel<scalar_t> group_kernel() {
+  switch (isa()) {
+#ifdef SIZEBACKEND_X86_COPIES
+    case Isa::kAvx512:
+      return &isa_avx512::attend_group<scalar_t>;
+    case Isa::kAvx2:
+      return &isa_avx2::attend_group<scalar_t>;
+#endif
+    default:
+      return &isa_default::attend_group<scalar_t>;
+  }
+}
+
+// Pass 2 for float, bfloat16 and float16 (accumulated in float): one work item per
+// (token, kv head), covering the query heads that share that kv head, so that each key
+// and value row of the history is loaded once for all of them. Items only read the
+// caches and write their own output rows: they run in parallel without synchronization.
+// `q` has dense rows of D; its tokens and heads may be strided.
+template <typename scalar_t>
+void attend_float(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const int64_t* slots, const int64_t* positions, double scale, at::Tensor& out) {
+  const int64_t num_tokens = q.size(0);
+  const int64_t num_heads = q.size(1);
+  const int64_t head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_len = k_cache.size(1);
+  const int64_t position_stride = num_kv_heads * head_dim;
+  const int64_t slot_stride = max_len * position_stride;
+
+  const scalar_t* q_data = q.const_data_ptr<scalar_t>();
+  const int64_t q_token_stride = q.stride(0);
+  const int64_t q_head_stride = q.stride(1);
+  const scalar_t* k_data = k_cache.const_data_ptr<scalar_t>();
+  const scalar_t* v_data = v_cache.const_data_ptr<scalar_t>();
+  scalar_t* out_data = out.mutable_data_ptr<scalar_t>();
+  const GroupKernel<scalar_t> kernel = group_kernel<scalar_t>();
+
+  // Decode batches are many short items: give each thread enough of them that waking
+  // the thread pool costs less than the work (about 64K multiply-adds per chunk).
+  int64_t history = 0;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    history += positions[t] + 1;
+  }
+  const int64_t work_per_item = std::max<int64_t>(1, history / num_tokens * head_dim * 2 * group);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / work_per_item);
+
+  at::parallel_for(0, num_tokens * num_kv_heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> work(group * (2 * head_dim + max_len + 1) + head_dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / num_kv_heads;
+      const int64_t kv_head = item % num_kv_heads;
+      const int64_t base = slots[t] * slot_stride + kv_head * head_dim;
+      kernel(q_data + t * q_token_stride + kv_head * group * q_head_stride, q_head_stride,
+             k_data + base, v_data + base, position_stride, group, head_dim, positions[t] + 1,
+             static_cast<float>(scale), work.data(),
+             out_data + (t * num_heads + kv_head * group) * head_dim);
+    }
+  });
+}
+
+// Pass 2 for float64 (accumulated in double): one (token, head) pair per work item;
+// every item only reads the caches and writes its own output row, so items run in
+// parallel without synchronization. `q` has dense rows of D; its tokens and heads may be
+// strided.
 template <typename scalar_t>
 void attend(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -289,12 +413,27 @@ at::Tensor attention_cpu(
       at::kBFloat16, at::kHalf, q.scalar_type(), "sizebackend::attention", [&] {
         write_cache<scalar_t>(k_c, k_cache, slot_data, position_data);
         write_cache<scalar_t>(v_c, v_cache, slot_data, position_data);
-        attend<scalar_t>(q_c, k_cache, v_cache, slot_data, position_data, scale, out);
+        if constexpr (std::is_same_v<at::opmath_type<scalar_t>, float>) {
+          attend_float<scalar_t>(q_c, k_cache, v_cache, slot_data, position_data, scale, out);
+        } else {
+          attend<scalar_t>(q_c, k_cache, v_cache, slot_data, position_data, scale, out);
+        }
       });
   return out;
 }
 
 }  // namespace
+
+const char* attention_isa() {
+  switch (isa()) {
+    case Isa::kAvx512:
+      return "avx512";
+    case Isa::kAvx2:
+      return "avx2";
+    default:
+      return "default";
+  }
+}
 
 TORCH_LIBRARY_IMPL(sizebackend, CPU, m) {
   m.impl("attention", &attention_cpu);

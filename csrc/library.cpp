@@ -3,7 +3,8 @@
 //
 // The shared object is also a Python extension module: importing it loads the library,
 // and it holds the FrozenGuard class (csrc/frozen_guard.cpp), the packed-linear cache's
-// two functions (csrc/packed_linear.cpp) and the Chain class (csrc/chain.cpp).
+// two functions (csrc/packed_linear.cpp), the Chain class (csrc/chain.cpp) and
+// attention_isa (csrc/attention.cpp).
 #include <torch/extension.h>
 
 #include <torch/library.h>
@@ -12,6 +13,7 @@ namespace sizebackend {
 void bind_frozen_guard(pybind11::module_& m);  // csrc/frozen_guard.cpp
 void bind_packed_linear(pybind11::module_& m);  // csrc/packed_linear.cpp
 void bind_chain(pybind11::module_& m);  // csrc/chain.cpp
+const char* attention_isa();  // csrc/attention.cpp
 }
 
 // `from dynamo_sizebackend import _C` loads the .so, which runs the static registrars
@@ -21,6 +23,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   sizebackend::bind_frozen_guard(m);
   sizebackend::bind_packed_linear(m);
   sizebackend::bind_chain(m);
+  m.def("attention_isa", &sizebackend::attention_isa,
+        "The instruction set sizebackend::attention's CPU kernel runs on: 'avx512', 'avx2' "
+        "or 'default' (ATen's CPU capability, ATEN_CPU_CAPABILITY included).");
 }
 
 TORCH_LIBRARY(sizebackend, m) {

@@ -4,6 +4,9 @@ sizebackend::weak_ref: same memory, no ownership."""
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -38,7 +41,8 @@ TOLERANCE = {
 Q, K, V, K_CACHE, V_CACHE, SLOTS, POSITIONS = range(7)  # argument positions of the op
 
 
-def make_inputs(slots, positions, heads=4, kv_heads=2, dtype=torch.float32, seed=0):
+def make_inputs(slots, positions, heads=4, kv_heads=2, dtype=torch.float32, seed=0,
+                head_dim=HEAD_DIM, max_len=MAX_LEN):
     """Arguments of the op. The caches start random, standing in for histories that
     earlier calls stored."""
     generator = torch.Generator().manual_seed(seed)
@@ -48,11 +52,11 @@ def make_inputs(slots, positions, heads=4, kv_heads=2, dtype=torch.float32, seed
 
     num_tokens = len(slots)
     return [
-        randn(num_tokens, heads, HEAD_DIM),
-        randn(num_tokens, kv_heads, HEAD_DIM),
-        randn(num_tokens, kv_heads, HEAD_DIM),
-        randn(NUM_SLOTS, MAX_LEN, kv_heads, HEAD_DIM),
-        randn(NUM_SLOTS, MAX_LEN, kv_heads, HEAD_DIM),
+        randn(num_tokens, heads, head_dim),
+        randn(num_tokens, kv_heads, head_dim),
+        randn(num_tokens, kv_heads, head_dim),
+        randn(NUM_SLOTS, max_len, kv_heads, head_dim),
+        randn(NUM_SLOTS, max_len, kv_heads, head_dim),
         torch.tensor(slots, dtype=torch.int64),
         torch.tensor(positions, dtype=torch.int64),
     ]
@@ -92,6 +96,72 @@ def test_matches_reference(batch, heads, kv_heads, dtype):
     # The caches must hold exactly the same rows: both sides copy k and v verbatim.
     torch.testing.assert_close(args[K_CACHE], expected_args[K_CACHE], atol=0, rtol=0)
     torch.testing.assert_close(args[V_CACHE], expected_args[V_CACHE], atol=0, rtol=0)
+
+
+# The CPU kernel takes a different loop for a head_dim that its vectors divide (16 lanes
+# with AVX-512, 8 with AVX2, 4 otherwise), one that only 4 divides, and any other; and
+# sums the history four rows at a time, then the rest one by one.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [4, 7, 20, 24, 64, 128])
+def test_matches_reference_at_every_head_dim_and_long_histories(head_dim, dtype):
+    # Histories of 1, 2, 3, 4, 5 and up to 200 rows (every remainder of 4), decode
+    # and prefill mixed, grouped-query heads.
+    slots = [0, 1, 2, 3, 0, 1, 2, 3, 3, 3]
+    positions = [0, 1, 2, 3, 4, 198, 199, 137, 138, 139]
+    args = make_inputs(slots, positions, heads=8, kv_heads=2, dtype=dtype, head_dim=head_dim,
+                       max_len=200)
+    expected_args = clone_all(args)
+    out = ops.attention(*args, head_dim**-0.5)
+    expected = ops.attention_reference(*expected_args, head_dim**-0.5)
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("scale", [4.0, 64.0])
+def test_far_apart_scores(scale):
+    # Scores up to thousands apart: the kernel's exp of (score - max) bottoms out near
+    # e^-87 rather than reaching 0; next to the largest term (1) that must not show.
+    # Small integers and a power-of-two scale make every score exact on both sides, so
+    # only the softmax can differ (with random floats, a score of 500 differs by an ulp
+    # of 3e-5 between two summation orders, and its weight by as much).
+    args = make_inputs(*BATCHES["mixed"])
+    generator = torch.Generator().manual_seed(1)
+    for i in (Q, K, V, K_CACHE, V_CACHE):
+        args[i] = torch.randint(-3, 4, args[i].shape, generator=generator).float()
+    expected_args = clone_all(args)
+    out = ops.attention(*args, scale)
+    torch.testing.assert_close(out, ops.attention_reference(*expected_args, scale))
+
+
+def test_nan_in_a_query_stays_in_its_rows():
+    args = make_inputs(*BATCHES["decode"])
+    args[Q][1, 0, 3] = float("nan")
+    out = ops.attention(*args, SCALE)
+    assert out[1, 0].isnan().all()
+    assert not out[[0, 2, 3]].isnan().any() and not out[1, 1:].isnan().any()
+
+
+_ISA_CHILD = """
+import torch
+from dynamo_sizebackend import _C, ops
+print(_C.attention_isa(), torch.backends.cpu.get_cpu_capability())
+"""
+
+
+@pytest.mark.parametrize("capability", [None, "default", "avx2"])
+def test_kernel_follows_atens_cpu_capability(capability):
+    # The op runs the copy of its kernel that ATen's own kernels run: ATEN_CPU_CAPABILITY
+    # lowers both (the CI's second pass runs the whole suite that way).
+    env = dict(os.environ)
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    if capability is not None:
+        env["ATEN_CPU_CAPABILITY"] = capability
+    out = subprocess.run([sys.executable, "-c", _ISA_CHILD], env=env, capture_output=True,
+                         text=True, timeout=120, check=True).stdout.split()
+    ours, aten = out
+    if aten in ("AVX512", "AVX2", "DEFAULT"):  # x86; elsewhere the kernel has one copy
+        assert ours == aten.lower(), out
+    else:
+        assert ours == "default", out
 
 
 def test_writes_cache_rows_and_nothing_else():
