@@ -57,7 +57,10 @@ class Chain {
       Step step;
       auto kind = spec[0].cast<std::string>();
       if (kind == "package") {
-        step.runner = spec[1].cast<torch::inductor::AOTIModelContainerRunnerCpu*>();
+        // spec[1]: the package (_torch/aoti.py's AlignedCpuPackage), held for the chain's
+        // life: its constants live as long as it does, not as long as its runner.
+        step.runner =
+            spec[1].attr("runner").cast<torch::inductor::AOTIModelContainerRunnerCpu*>();
         step.inputs = spec[2].cast<std::vector<int64_t>>();
         keep_alive_.push_back(spec[1]);
       } else if (kind == "op") {
@@ -206,7 +209,7 @@ class Chain {
   std::vector<Step> steps_;
   std::vector<int64_t> result_;
   bool result_tuple_;
-  std::vector<py::object> keep_alive_;  // the runners' Python owners
+  std::vector<py::object> keep_alive_;  // the packages that own the runners
 };
 
 }  // namespace

@@ -31,6 +31,15 @@ does without max-autotune and for some GEMM shapes with it) sits in the same blo
 equally misaligned; its copy is oneDNN's own clone of the runner's tensor (same
 format, a buffer of its own), which needs its FQN to be unique in the table.
 
+Constants shared between packages: the listed sizes of one model freeze the same weights,
+and where Inductor packs a weight the same way for two sizes (the same GEMM kernel
+choice), their packages embed the same bytes. A constant whose dtype, shape, stride,
+offset, opaque layout and bytes equal those of a constant already loaded in this process
+runs on that one tensor (:class:`SharedConstants`): memory and the cache hold one copy.
+The Llama ``small`` at sizes 2, 5, 8, 39: 47.2 MB of constants in 20 packages, 22.3 MB
+of them distinct (sizes 2 and 5 share every template-packed weight, 8 and 39 most of
+oneDNN's). Off switch: ``SIZEBACKEND_SHARE_CONSTANTS=0``.
+
 What this does not take on returns :class:`NotAligned` and the package loads with
 torch's loader as before: another device or several libraries, folded constants, an
 opaque constant sharing its FQN (not counted), and any failed check (counted in
@@ -40,6 +49,7 @@ Off switch: ``SIZEBACKEND_ALIGN_PACKAGES=0`` in the environment.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import mmap
 import os
@@ -47,7 +57,9 @@ import re
 import shutil
 import struct
 import tempfile
+import threading
 import warnings
+import weakref
 import zipfile
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -76,6 +88,8 @@ class Constant:
     nbytes: int
     folded: bool
     strided: bool
+    opaque_metadata: str = ""
+    """An opaque constant's layout as the table writes it (oneDNN's descriptor)."""
 
     def fits(self) -> bool:
         """Whether shape, stride and offset stay inside ``nbytes``."""
@@ -116,6 +130,7 @@ def parse_constants(source: str) -> list[Constant]:
                 nbytes=int(entry["data_size"]),
                 folded=entry["from_folded"] == "true",
                 strided=entry["layout"].endswith("(cached_torch_layout_strided)"),
+                opaque_metadata=entry.get("opaque_metadata", ""),
             ))
         except (KeyError, AttributeError) as e:
             raise ValueError(f"constant {index}: {type(e).__name__} {e}") from None
@@ -169,32 +184,133 @@ def _first_by_fqn(table: Sequence[Constant]) -> dict[str, Constant]:
     return first
 
 
-def _copies(runner: Any, table: Sequence[Constant], embedded: memoryview) -> dict[str, torch.Tensor]:
-    """Aligned copies of every constant, keyed by internal name: a plain one made from
-    the bytes the library embeds, an opaque (oneDNN) one cloned from the runner's (its
-    FQN is unique, checked by the caller). Raises ``ValueError`` where the table
-    disagrees with those bytes or with the constants the runner loaded."""
+def share_enabled() -> bool:
+    return os.environ.get("SIZEBACKEND_SHARE_CONSTANTS", "1") != "0"
+
+
+class SharedConstants:
+    """The constants of the process's aligned packages, by what makes two the same: the
+    table's dtype, shape, stride, offset and opaque layout, and a digest of the bytes the
+    library embeds (a plain constant's bytes are also compared in full). Each entry
+    counts the packages that run on it; the last one to go frees it (:func:`release`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[tuple, list[Any]] = {}  # key -> [tensor, packages holding it]
+        self.reused = 0
+        """Constants handed out again since the process started."""
+        self.reused_bytes = 0
+
+    @staticmethod
+    def key(c: Constant, data: memoryview) -> tuple:
+        digest = hashlib.blake2b(data, digest_size=16).digest()
+        return (c.dtype, c.shape, c.stride, c.offset, c.nbytes, c.strided, c.opaque_metadata,
+                digest)
+
+    def acquire(self, key: tuple, data: memoryview) -> torch.Tensor | None:
+        """The constant held under ``key``, one more package counted on it; ``data``: the
+        bytes the asking package embeds."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            tensor = entry[0]
+            if tensor.layout == torch.strided and not torch.equal(_bytes_of(tensor), _frombuffer(data)):
+                return None  # a digest collision: never seen, but never trusted either
+            entry[1] += 1
+            self.reused += 1
+            self.reused_bytes += len(data)
+            return tensor
+
+    def add(self, key: tuple, tensor: torch.Tensor) -> bool:
+        """Hold ``tensor`` under ``key`` for one package, unless another holds the key
+        (loaded meanwhile on another thread): then ``False``, and it stays the caller's."""
+        with self._lock:
+            if key in self._entries:
+                return False
+            self._entries[key] = [tensor, 1]
+            return True
+
+    def release(self, key: tuple, tensor: torch.Tensor) -> bool:
+        """One package less on ``tensor``; ``True`` if it was the last (the entry goes)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry[0] is not tensor:
+                return True  # never held here: the caller's alone
+            entry[1] -= 1
+            if entry[1] > 0:
+                return False
+            del self._entries[key]
+            return True
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+
+#: The process's one registry (packages of every compiled model share it).
+SHARED = SharedConstants()
+
+
+def _frombuffer(data: memoryview) -> torch.Tensor:
+    with warnings.catch_warnings():  # read-only memory, only read from: not a concern
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain constant's whole storage as bytes (what its copy was made from)."""
+    return torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
+
+
+def _copies(runner: Any, table: Sequence[Constant], embedded: memoryview
+            ) -> tuple[dict[str, torch.Tensor], dict[str, tuple], set[str]]:
+    """Aligned copies of every constant, keyed by internal name: one already loaded with
+    the same layout and bytes (:data:`SHARED`), else a plain one made from the bytes the
+    library embeds, an opaque (oneDNN) one cloned from the runner's (its FQN is unique,
+    checked by the caller); each constant's :meth:`SharedConstants.key` (none with
+    sharing off); and the names of those it took from :data:`SHARED` (counted there: the
+    caller releases them if it does not use them). Raises ``ValueError`` where the table
+    disagrees with those bytes or with the constants the runner loaded, having released
+    what it took."""
+    reused: set[str] = set()
+    keys: dict[str, tuple] = {}
+    try:
+        return _copies_of(runner, table, embedded, keys, reused), keys, reused
+    except BaseException:
+        _release_all([(keys[n], None) for n in reused])
+        raise
+
+
+def _copies_of(runner: Any, table: Sequence[Constant], embedded: memoryview,
+               keys: dict[str, tuple], reused: set[str]) -> dict[str, torch.Tensor]:
     if {c.name: c.fqn for c in table} != dict(runner.get_constant_names_to_original_fqns()):
         raise ValueError("constant names differ from the runner's")
     if sum(c.nbytes for c in table) != len(embedded):
         raise ValueError(f"the table's {sum(c.nbytes for c in table)} bytes are not the "
                          f"library's {len(embedded)}")
     loaded = runner.extract_constants_map(False)
-    with warnings.catch_warnings():  # read-only memory, only read from: not a concern
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        data = torch.frombuffer(embedded, dtype=torch.uint8) if len(embedded) else None
+    data = _frombuffer(embedded)
+    share = share_enabled()
     copies, read = {}, 0
     for c in table:
-        if not c.strided:
+        copy = None
+        if share:
+            with embedded[read:read + c.nbytes] as own:
+                keys[c.name] = SharedConstants.key(c, own)
+                copy = SHARED.acquire(keys[c.name], own)
+        if copy is not None:
+            reused.add(c.name)  # the same bytes and layout as a constant already loaded
+        elif not c.strided:
             copy = loaded[c.fqn].clone()  # oneDNN's clone: its own buffer, the same format
             if not copy.is_mkldnn or torch.ops.mkldnn._nbytes(copy) != c.nbytes:
                 raise ValueError(f"{c.name}: not an opaque tensor of {c.nbytes} bytes")
-            copies[c.name] = copy
         else:
             raw = torch.empty(c.nbytes, dtype=torch.uint8)
             if c.nbytes:
                 raw.copy_(data[read:read + c.nbytes])
-            copies[c.name] = raw.view(c.dtype).as_strided(c.shape, c.stride, c.offset)
+            copy = raw.view(c.dtype).as_strided(c.shape, c.stride, c.offset)
+        copies[c.name] = copy
         read += c.nbytes
     first = _first_by_fqn(table)
     for fqn, tensor in loaded.items():
@@ -209,6 +325,65 @@ def _copies(runner: Any, table: Sequence[Constant], embedded: memoryview) -> dic
     return copies
 
 
+def _free(tensor: torch.Tensor) -> None:
+    """Give a constant's memory back. The container runner never lets go of a constant
+    it was handed as user-managed (torch 2.13's ``MaybeOwningAtenTensorHandle`` takes a
+    new handle to it that nothing deletes), so without this every package loaded, then
+    dropped (a weight change, a cold start's swap) kept its weights for the process's
+    life. An opaque (oneDNN) constant has no storage to shrink: it stays."""
+    if tensor.layout == torch.strided:
+        tensor.untyped_storage().resize_(0)
+
+
+def _drop_embedded_pages(library: str, start: int, end: int) -> int:
+    """Let the kernel drop this process's pages of ``library``'s embedded constants (file
+    offsets ``start`` to ``end``), which the runner read once to make its own copy and
+    never reads again: without this every constant stays resident twice (the loaded
+    library's pages, and the aligned copy). Returns the bytes advised; 0 where the mapping
+    is not found or ``madvise`` refuses (nothing else changes: those pages are only
+    memory)."""
+    import ctypes
+
+    page = mmap.PAGESIZE
+    advised = 0
+    try:
+        real = os.path.realpath(library)
+        with open("/proc/self/maps") as maps:
+            lines = [line.split() for line in maps]
+        libc = ctypes.CDLL(None, use_errno=True)
+        for fields in lines:
+            if len(fields) < 6 or os.path.realpath(fields[5]) != real:
+                continue
+            low, high = (int(v, 16) for v in fields[0].split("-"))
+            offset = int(fields[2], 16)
+            # The part of [start, end) this mapping holds, in whole pages inside it.
+            first = max(start, offset)
+            last = min(end, offset + high - low)
+            a = low + first - offset
+            b = low + last - offset
+            a = (a + page - 1) // page * page
+            b = b // page * page
+            if b > a and libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), 4) == 0:
+                advised += b - a  # 4: MADV_DONTNEED
+    except (OSError, ValueError, AttributeError):
+        return advised
+    return advised
+
+
+def _release_all(held: Sequence[tuple[tuple | None, torch.Tensor | None]]) -> None:
+    """A package is gone: each constant it ran on is freed unless another package runs
+    on it too. ``(key, None)``: a constant taken from :data:`SHARED` and never used."""
+    for key, tensor in held:
+        if tensor is None:
+            with SHARED._lock:
+                entry = SHARED._entries.get(key)
+                tensor = entry[0] if entry is not None else None
+            if tensor is None:
+                continue
+        if key is None or SHARED.release(key, tensor):
+            _free(tensor)
+
+
 class AlignedCpuPackage:
     """A CPU package run by torch's container runner on constants torch allocated.
 
@@ -216,12 +391,20 @@ class AlignedCpuPackage:
     package loader's; calling the object takes the exported module's arguments and
     rebuilds its outputs from the package's call spec, as ``AOTICompiledModel`` does."""
 
-    def __init__(self, runner: Any, constants: dict[str, torch.Tensor]):
+    def __init__(self, runner: Any, constants: dict[str, torch.Tensor],
+                 held: Sequence[tuple[tuple | None, torch.Tensor]] = ()):
         self.runner = runner
         self.constants = constants  # the runner's user-managed constants point here
-        self.run = runner.run
         _, out_spec = runner.get_call_spec()
         self._out_spec = pytree.treespec_loads(out_spec)
+        # The constants live as long as this object: whatever runs the runner holds the
+        # package (``run`` is its method; a chain keeps the package), never the runner alone.
+        self._finalizer = weakref.finalize(self, _release_all, list(held))
+        self.embedded_dropped = 0
+        """Bytes of the library's embedded constants given back to the kernel at load."""
+
+    def run(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self.runner.run(tensors)
 
     def __call__(self, *args: Any) -> Any:
         flat = [x for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
@@ -313,15 +496,27 @@ def load_aligned(path: str) -> AlignedCpuPackage | NotAligned:
         with open(extracted, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as lib:
             start, end = embedded_constants(lib)
             with memoryview(lib)[start:end] as embedded:
-                copies = _copies(runner, table, embedded)
-        runner.update_constant_buffer(copies, True, True, True)  # inactive, full, user-managed
-        runner.swap_constant_buffer()
-        runner.free_inactive_constant_buffer()
-        first = _first_by_fqn(table)
-        for fqn, tensor in runner.extract_constants_map(False).items():
-            if address(tensor) != address(copies[first[fqn].name]):
-                raise ValueError(f"{fqn}: not the aligned copy after the swap")
-        return AlignedCpuPackage(runner, copies)
+                copies, keys, reused = _copies(runner, table, embedded)
+        try:
+            runner.update_constant_buffer(copies, True, True, True)  # inactive, full, user-managed
+            runner.swap_constant_buffer()
+            runner.free_inactive_constant_buffer()
+            first = _first_by_fqn(table)
+            for fqn, tensor in runner.extract_constants_map(False).items():
+                if address(tensor) != address(copies[first[fqn].name]):
+                    raise ValueError(f"{fqn}: not the aligned copy after the swap")
+        except BaseException:  # the runner goes unused: its constants with it
+            _release_all([(keys[n] if n in reused else None, t) for n, t in copies.items()])
+            raise
+        dropped = _drop_embedded_pages(extracted, start, end)
+        held = []
+        for name, tensor in copies.items():  # checked: offered to the packages loaded next
+            key = keys.get(name)
+            mine = name in reused or (key is not None and SHARED.add(key, tensor))
+            held.append((key if mine else None, tensor))
+        package = AlignedCpuPackage(runner, copies, held)
+        package.embedded_dropped = dropped
+        return package
     except Exception as e:  # another runner or table: torch's loader, as before
         return NotAligned(f"{type(e).__name__}: {e}", counted=True)
     finally:

@@ -43,7 +43,8 @@ class NotChained(Exception):
 
 
 def _package_step(piece: Any) -> tuple[Any, tuple[int, ...], Any]:
-    """The runner, argument positions and outputs (``cache.aot.Outputs``) of an AOT piece."""
+    """The package (the chain runs its runner and holds it, which keeps its constants),
+    argument positions and outputs (``cache.aot.Outputs``) of an AOT piece."""
     from ..cache.aot import AotPiece  # cache imports runtime modules
 
     if not isinstance(piece, AotPiece):
@@ -52,7 +53,7 @@ def _package_step(piece: Any) -> tuple[Any, tuple[int, ...], Any]:
         raise NotChained("a package's outputs are not one tensor or a tuple of tensors")
     if not isinstance(piece.package, aoti.AlignedCpuPackage):
         raise NotChained("a package runs on torch's loader, not the container runner")
-    return piece.package.runner, piece.positions, piece.outputs
+    return piece.package, piece.positions, piece.outputs
 
 
 def _op_call(piece: Any) -> tuple[torch._ops.OpOverload, list[Any], torch.fx.Node]:
@@ -154,14 +155,14 @@ def build(split_gm: torch.fx.GraphModule, pieces: Mapping[str, Callable[..., Any
             if piece is None:
                 raise NotChained(f"no piece {node.target}")
             if node.target not in split_ops:
-                runner, positions, outputs = _package_step(piece)
+                package, positions, outputs = _package_step(piece)
                 reads = [p.slot_of(node.args[i]) for i in positions]
                 outs = [-1] * outputs.count
                 if outputs.kind == "one":
                     outs[0] = p.value[node] = p.new_slot()
                 else:
                     p.value[node] = outs
-                p.steps.append(["package", runner, reads, outs])
+                p.steps.append(["package", package, reads, outs])
                 p.reads.append(reads)
             else:
                 op, values, op_node = _op_call(piece)

@@ -12,6 +12,7 @@ whose weights oneDNN packs into opaque tensors.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import zipfile
 
 import pytest
@@ -226,3 +227,124 @@ def test_a_package_for_another_device_is_left_to_torch_uncounted(tmp_path):
     assert aoti.load_aligned(path) == aoti.NotAligned(
         "holds custom_objs_config.json, which torch's loader sets up")
 
+
+
+class Lookup(nn.Module):
+    """An embedding table (a constant no GEMM packs: the same bytes at every size) and a
+    linear."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32):
+        super().__init__()
+        self.table = nn.Embedding(vocab, dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, ids):
+        return self.proj(self.table(ids))
+
+
+def _ids(n: int) -> torch.Tensor:
+    return torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n))
+
+
+def _packages(cache_dir, tmp_path) -> dict[int, str]:
+    """Every stored package of the cache, as ``.pt2`` files, by size."""
+    disk = DiskCache(str(cache_dir))
+    paths = {}
+    for entry in disk.entries()[0]:
+        if entry.kind == "aot":
+            key = entry.path.rsplit("/", 1)[1].removesuffix(store.SUFFIX)
+            path = tmp_path / f"{key}.pt2"
+            path.write_bytes(disk.read(key))
+            paths[int(entry.size)] = str(path)
+    return paths
+
+
+@pytest.mark.inductor
+@torch.no_grad()
+def test_packages_of_two_sizes_share_their_equal_constants(real_defaults, tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model = Lookup().eval()
+    cache = tmp_path / "cache"
+    compiled = compile_sb(model, cache_dir=str(cache), compile_sizes=[2, 4], store_frozen="inline")
+    for n in (2, 3, 4):
+        torch.testing.assert_close(compiled(_ids(n)), model(_ids(n)), **TOL)
+    paths = _packages(cache, tmp_path)
+    assert sorted(paths) == [2, 4]
+    del compiled  # and with it the packages it serves from
+    _restart()
+    gc.collect()
+
+    def table_of(package):
+        (name,) = [n for n, t in package.constants.items()
+                   if t.shape == model.table.weight.shape and torch.equal(t, model.table.weight)]
+        return package.constants[name]
+
+    before = aoti.SHARED.reused
+    two, four = aoti.load_aligned(paths[2]), aoti.load_aligned(paths[4])
+    assert isinstance(two, aoti.AlignedCpuPackage) and isinstance(four, aoti.AlignedCpuPackage)
+    # The libraries' own pages of their constants, read once at load, given back.
+    for package, path in ((two, paths[2]), (four, paths[4])):
+        with zipfile.ZipFile(path) as archive:
+            (lib,) = [n for n in archive.namelist() if n.endswith(".so")]
+            start, end = aoti.embedded_constants(archive.read(lib))
+        assert 0 < package.embedded_dropped <= end - start
+    # One tensor for the table in both packages, on a 64-byte boundary as before.
+    assert table_of(two) is table_of(four)
+    assert aoti.address(table_of(four)) % aoti.ALIGNMENT == 0
+    assert aoti.SHARED.reused - before >= 1
+    # Each still gives the same bits as torch's loader on its package.
+    for n, package in ((2, two), (4, four)):
+        theirs = torch._inductor.aoti_load_package(paths[n]).loader.run([_ids(n)])
+        assert all(torch.equal(a, b) for a, b in zip(package.run([_ids(n)]), theirs))
+
+    # Counted: the table lives while a package runs on it, and is given back with the
+    # last one (the container runner never lets go of it: see aoti._free).
+    table = table_of(two)
+    storage = table.untyped_storage()
+    held = len(aoti.SHARED)
+    del two, package
+    gc.collect()
+    assert storage.nbytes() == table.numel() * 4 and torch.equal(table_of(four), model.table.weight)
+    del four
+    gc.collect()
+    assert storage.nbytes() == 0 and len(aoti.SHARED) < held
+    again = aoti.load_aligned(paths[4])
+    assert table_of(again) is not table
+    assert all(aoti.address(t) % aoti.ALIGNMENT == 0 for t in again.constants.values())
+    assert all(torch.equal(a, b) for a, b in zip(
+        again.run([_ids(4)]), torch._inductor.aoti_load_package(paths[4]).loader.run([_ids(4)])))
+
+    # Off: every package its own copies.
+    monkeypatch.setenv("SIZEBACKEND_SHARE_CONSTANTS", "0")
+    mine, yours = aoti.load_aligned(paths[2]), aoti.load_aligned(paths[4])
+    assert table_of(mine) is not table_of(yours) and table_of(mine) is not table_of(again)
+    assert torch.equal(table_of(mine), table_of(yours))
+    # Each given back with its package, shared or not.
+    storages = [t.untyped_storage() for t in mine.constants.values() if t.layout == torch.strided]
+    del mine
+    gc.collect()
+    assert storages and all(s.nbytes() == 0 for s in storages)
+    assert torch.equal(table_of(yours), model.table.weight)
+
+
+def test_shared_constants_are_compared_in_full_and_counted():
+    c = aoti.Constant(index=0, name="w", fqn="m.w", dtype=torch.float32, shape=(2, 2),
+                      stride=(2, 1), offset=0, nbytes=16, folded=False, strided=True)
+    registry = aoti.SharedConstants()
+    data = memoryview(torch.arange(4, dtype=torch.float32).numpy().tobytes())
+    key = registry.key(c, data)
+    tensor = torch.arange(4, dtype=torch.float32).view(2, 2)
+    assert registry.add(key, tensor) and not registry.add(key, tensor.clone())
+    assert registry.acquire(key, data) is tensor and registry.reused == 1 and len(registry) == 1
+    # Another layout or other bytes: another key.
+    assert registry.key(dataclasses.replace(c, stride=(1, 2)), data) != key
+    other = memoryview(torch.arange(1, 5, dtype=torch.float32).numpy().tobytes())
+    assert registry.key(c, other) != key
+    # A key whose bytes differ all the same (a digest collision, forced): not handed out.
+    assert registry.acquire(key, other) is None and registry.reused == 1
+    # Two holders (the add and the acquire): the second release is the last.
+    assert not registry.release(key, tensor)
+    assert registry.release(key, tensor) and len(registry) == 0
+    assert registry.acquire(key, data) is None
+    # A tensor never held here (another thread's copy won the key): the caller's alone.
+    assert registry.release(key, tensor.clone())
