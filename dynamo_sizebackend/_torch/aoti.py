@@ -36,8 +36,8 @@ and where Inductor packs a weight the same way for two sizes (the same GEMM kern
 choice), their packages embed the same bytes. A constant whose dtype, shape, stride,
 offset, opaque layout and bytes equal those of a constant already loaded in this process
 runs on that one tensor (:class:`SharedConstants`): memory and the cache hold one copy.
-The Llama ``small`` at sizes 2, 5, 8, 39: 47.2 MB of constants in 20 packages, 22.3 MB
-of them distinct (sizes 2 and 5 share every template-packed weight, 8 and 39 most of
+The Llama ``small`` at sizes 2, 5, 8, 39: 45.0 MiB of constants in 20 packages, 21.3
+MiB of them distinct (sizes 2 and 5 share every template-packed weight, 8 and 39 most of
 oneDNN's). Off switch: ``SIZEBACKEND_SHARE_CONSTANTS=0``.
 
 What this does not take on returns :class:`NotAligned` and the package loads with
@@ -192,10 +192,10 @@ class SharedConstants:
     """The constants of the process's aligned packages, by what makes two the same: the
     table's dtype, shape, stride, offset and opaque layout, and a digest of the bytes the
     library embeds (a plain constant's bytes are also compared in full). Each entry
-    counts the packages that run on it; the last one to go frees it (:func:`release`)."""
+    counts the packages that run on it; the last one to go frees it (:func:`_release_all`)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a package's finalizer may run under it (GC)
         self._entries: dict[tuple, list[Any]] = {}  # key -> [tensor, packages holding it]
         self.reused = 0
         """Constants handed out again since the process started."""
@@ -273,17 +273,17 @@ def _copies(runner: Any, table: Sequence[Constant], embedded: memoryview
     caller releases them if it does not use them). Raises ``ValueError`` where the table
     disagrees with those bytes or with the constants the runner loaded, having released
     what it took."""
-    reused: set[str] = set()
+    reused: dict[str, torch.Tensor] = {}
     keys: dict[str, tuple] = {}
     try:
-        return _copies_of(runner, table, embedded, keys, reused), keys, reused
+        return _copies_of(runner, table, embedded, keys, reused), keys, set(reused)
     except BaseException:
-        _release_all([(keys[n], None) for n in reused])
+        _release_all([(keys[n], t) for n, t in reused.items()])
         raise
 
 
 def _copies_of(runner: Any, table: Sequence[Constant], embedded: memoryview,
-               keys: dict[str, tuple], reused: set[str]) -> dict[str, torch.Tensor]:
+               keys: dict[str, tuple], reused: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if {c.name: c.fqn for c in table} != dict(runner.get_constant_names_to_original_fqns()):
         raise ValueError("constant names differ from the runner's")
     if sum(c.nbytes for c in table) != len(embedded):
@@ -300,7 +300,7 @@ def _copies_of(runner: Any, table: Sequence[Constant], embedded: memoryview,
                 keys[c.name] = SharedConstants.key(c, own)
                 copy = SHARED.acquire(keys[c.name], own)
         if copy is not None:
-            reused.add(c.name)  # the same bytes and layout as a constant already loaded
+            reused[c.name] = copy  # the same bytes and layout as a constant already loaded
         elif not c.strided:
             copy = loaded[c.fqn].clone()  # oneDNN's clone: its own buffer, the same format
             if not copy.is_mkldnn or torch.ops.mkldnn._nbytes(copy) != c.nbytes:
@@ -370,16 +370,11 @@ def _drop_embedded_pages(library: str, start: int, end: int) -> int:
     return advised
 
 
-def _release_all(held: Sequence[tuple[tuple | None, torch.Tensor | None]]) -> None:
-    """A package is gone: each constant it ran on is freed unless another package runs
-    on it too. ``(key, None)``: a constant taken from :data:`SHARED` and never used."""
+def _release_all(held: Sequence[tuple[tuple | None, torch.Tensor]]) -> None:
+    """A package is gone (or never made): each constant it ran on is freed unless another
+    package runs on it too. ``held``: (its key in :data:`SHARED`, or ``None`` for one of
+    its own, the tensor)."""
     for key, tensor in held:
-        if tensor is None:
-            with SHARED._lock:
-                entry = SHARED._entries.get(key)
-                tensor = entry[0] if entry is not None else None
-            if tensor is None:
-                continue
         if key is None or SHARED.release(key, tensor):
             _free(tensor)
 
