@@ -395,6 +395,7 @@ class AlignedCpuPackage:
         # The constants live as long as this object: whatever runs the runner holds the
         # package (``run`` is its method; a chain keeps the package), never the runner alone.
         self._finalizer = weakref.finalize(self, _release_all, list(held))
+        self._finalizer.atexit = False  # at exit a daemon thread may still be in a call
         self.embedded_dropped = 0
         """Bytes of the library's embedded constants given back to the kernel at load."""
 

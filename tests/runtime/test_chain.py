@@ -10,6 +10,7 @@ user serving from a warm cache gets.
 """
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 import time
@@ -63,8 +64,8 @@ def test_a_packaged_size_runs_as_one_chain(real_defaults, runners, monkeypatch, 
 
     # The same kernels in the same order as the generated forward: equal to the bit.
     args = _args(monkeypatch, compiled, steps[1])
-    torch.testing.assert_close(program.chain(args), graph._forward(program, *args),
-                               rtol=0, atol=0)
+    before = program.chain(args)
+    torch.testing.assert_close(before, graph._forward(program, *args), rtol=0, atol=0)
     assert calls["pieces"] == 3
 
     # Under a profiler the pieces run from Python, each in its range.
@@ -85,6 +86,27 @@ def test_a_packaged_size_runs_as_one_chain(real_defaults, runners, monkeypatch, 
     assert sb.stats().fallbacks == {"frozen_weights": 1}
     assert graph._by_size[4] is not program and graph._by_size[4].chain is not None
     assert calls["pieces"] == 0
+
+    # The retired program's packages free their constants when the last holder goes
+    # (_torch/aoti.py): the chain holds them, so a chain outliving its program still
+    # runs on the old weights; once it goes too, their memory is given back, all but
+    # the constants the new program's packages share (every weight but the replaced one).
+    old_chain = program.chain
+    storages = [t.untyped_storage() for piece in program.pieces.values()
+                if hasattr(piece, "package") for t in piece.package.constants.values()
+                if t.layout == torch.strided]
+    assert storages
+    del program
+    gc.collect()
+    torch.testing.assert_close(old_chain(args), before, rtol=0, atol=0)
+    assert all(s.nbytes() > 0 for s in storages)
+    del old_chain
+    gc.collect()
+    live = {t.untyped_storage().data_ptr() for piece in graph._by_size[4].pieces.values()
+            if hasattr(piece, "package") for t in piece.package.constants.values()
+            if t.layout == torch.strided}
+    freed = [s for s in storages if s.nbytes() == 0]
+    assert freed and all(s.nbytes() == 0 or s.data_ptr() in live for s in storages)
 
 
 @torch.no_grad()
