@@ -201,6 +201,39 @@ void write_cache(
   }
 }
 
+// What both attention passes read of q and the caches: sizes, strides and the
+// parallel_for grain.
+struct Layout {
+  int64_t num_tokens, num_heads, head_dim, num_kv_heads, group, max_len;
+  int64_t position_stride, slot_stride;  // of the caches, in elements
+  int64_t q_token_stride, q_head_stride;
+
+  Layout(const at::Tensor& q, const at::Tensor& k_cache)
+      : num_tokens(q.size(0)),
+        num_heads(q.size(1)),
+        head_dim(q.size(2)),
+        num_kv_heads(k_cache.size(2)),
+        group(num_heads / num_kv_heads),
+        max_len(k_cache.size(1)),
+        position_stride(num_kv_heads * head_dim),
+        slot_stride(max_len * position_stride),
+        q_token_stride(q.stride(0)),
+        q_head_stride(q.stride(1)) {}
+
+  // Decode batches are many short items: give each thread enough of them that waking
+  // the thread pool costs less than the work (about 64K multiply-adds per chunk).
+  // `heads_per_item`: the query heads one work item covers.
+  int64_t grain(const int64_t* positions, int64_t heads_per_item) const {
+    int64_t history = 0;
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      history += positions[t] + 1;
+    }
+    const int64_t work_per_item =
+        std::max<int64_t>(1, history / num_tokens * head_dim * 2 * heads_per_item);
+    return std::max<int64_t>(1, (int64_t{1} << 16) / work_per_item);
+  }
+};
+
 // Which copy of attend_group runs: ATen's CPU capability (ATEN_CPU_CAPABILITY applies, so
 // what ATen's own kernels run on this CPU, our op runs too), where this CPU has it.
 enum class Isa { kDefault, kAvx2, kAvx512 };
@@ -254,42 +287,24 @@ template <typename scalar_t>
 void attend_float(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const int64_t* slots, const int64_t* positions, double scale, at::Tensor& out) {
-  const int64_t num_tokens = q.size(0);
-  const int64_t num_heads = q.size(1);
-  const int64_t head_dim = q.size(2);
-  const int64_t num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t max_len = k_cache.size(1);
-  const int64_t position_stride = num_kv_heads * head_dim;
-  const int64_t slot_stride = max_len * position_stride;
-
+  const Layout l(q, k_cache);
   const scalar_t* q_data = q.const_data_ptr<scalar_t>();
-  const int64_t q_token_stride = q.stride(0);
-  const int64_t q_head_stride = q.stride(1);
   const scalar_t* k_data = k_cache.const_data_ptr<scalar_t>();
   const scalar_t* v_data = v_cache.const_data_ptr<scalar_t>();
   scalar_t* out_data = out.mutable_data_ptr<scalar_t>();
   const GroupKernel<scalar_t> kernel = group_kernel<scalar_t>();
 
-  // Decode batches are many short items: give each thread enough of them that waking
-  // the thread pool costs less than the work (about 64K multiply-adds per chunk).
-  int64_t history = 0;
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    history += positions[t] + 1;
-  }
-  const int64_t work_per_item = std::max<int64_t>(1, history / num_tokens * head_dim * 2 * group);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / work_per_item);
-
-  at::parallel_for(0, num_tokens * num_kv_heads, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> work(group * (2 * head_dim + max_len + 1) + head_dim);
+  at::parallel_for(0, l.num_tokens * l.num_kv_heads, l.grain(positions, l.group),
+                   [&](int64_t begin, int64_t end) {
+    std::vector<float> work(l.group * (2 * l.head_dim + l.max_len + 1) + l.head_dim);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / num_kv_heads;
-      const int64_t kv_head = item % num_kv_heads;
-      const int64_t base = slots[t] * slot_stride + kv_head * head_dim;
-      kernel(q_data + t * q_token_stride + kv_head * group * q_head_stride, q_head_stride,
-             k_data + base, v_data + base, position_stride, group, head_dim, positions[t] + 1,
-             static_cast<float>(scale), work.data(),
-             out_data + (t * num_heads + kv_head * group) * head_dim);
+      const int64_t t = item / l.num_kv_heads;
+      const int64_t kv_head = item % l.num_kv_heads;
+      const int64_t base = slots[t] * l.slot_stride + kv_head * l.head_dim;
+      kernel(q_data + t * l.q_token_stride + kv_head * l.group * l.q_head_stride,
+             l.q_head_stride, k_data + base, v_data + base, l.position_stride, l.group,
+             l.head_dim, positions[t] + 1, static_cast<float>(scale), work.data(),
+             out_data + (t * l.num_heads + kv_head * l.group) * l.head_dim);
     }
   });
 }
@@ -303,32 +318,18 @@ void attend(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const int64_t* slots, const int64_t* positions, double scale, at::Tensor& out) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t num_tokens = q.size(0);
-  const int64_t num_heads = q.size(1);
-  const int64_t head_dim = q.size(2);
-  const int64_t num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t max_len = k_cache.size(1);
-  const int64_t position_stride = num_kv_heads * head_dim;
-  const int64_t slot_stride = max_len * position_stride;
-
+  const Layout l(q, k_cache);
+  const int64_t num_heads = l.num_heads, head_dim = l.head_dim, group = l.group;
+  const int64_t max_len = l.max_len, position_stride = l.position_stride;
+  const int64_t slot_stride = l.slot_stride;
+  const int64_t q_token_stride = l.q_token_stride, q_head_stride = l.q_head_stride;
   const scalar_t* q_data = q.const_data_ptr<scalar_t>();
-  const int64_t q_token_stride = q.stride(0);
-  const int64_t q_head_stride = q.stride(1);
   const scalar_t* k_data = k_cache.const_data_ptr<scalar_t>();
   const scalar_t* v_data = v_cache.const_data_ptr<scalar_t>();
   scalar_t* out_data = out.mutable_data_ptr<scalar_t>();
 
-  // Decode batches are many short items: give each thread enough of them that waking
-  // the thread pool costs less than the work (about 64K multiply-adds per chunk).
-  int64_t history = 0;
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    history += positions[t] + 1;
-  }
-  const int64_t work_per_item = std::max<int64_t>(1, history / num_tokens * head_dim * 2);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / work_per_item);
-
-  at::parallel_for(0, num_tokens * num_heads, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, l.num_tokens * num_heads, l.grain(positions, 1),
+                   [&](int64_t begin, int64_t end) {
     std::vector<acc_t> scores(max_len);
     std::vector<acc_t> query(head_dim);
     std::vector<acc_t> acc(head_dim);

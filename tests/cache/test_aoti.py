@@ -63,13 +63,23 @@ def _serve(model, cache_dir) -> dict[int, torch.Tensor]:
     return outs
 
 
+def _packages(cache_dir, tmp_path) -> dict[int, str]:
+    """Every stored package of the cache, as ``.pt2`` files, by size."""
+    disk = DiskCache(str(cache_dir))
+    paths = {}
+    for entry in disk.entries()[0]:
+        if entry.kind == "aot":
+            key = entry.path.rsplit("/", 1)[1].removesuffix(store.SUFFIX)
+            path = tmp_path / f"{key}.pt2"
+            path.write_bytes(disk.read(key))
+            paths[int(entry.size)] = str(path)
+    return paths
+
+
 def _package(cache_dir, tmp_path) -> str:
     """The stored package of the size-4 piece, as a ``.pt2`` file."""
-    (entry,) = [e for e in DiskCache(str(cache_dir)).entries()[0] if e.kind == "aot"]
-    key = entry.path.rsplit("/", 1)[1].removesuffix(store.SUFFIX)
-    path = tmp_path / "piece.pt2"
-    path.write_bytes(DiskCache(str(cache_dir)).read(key))
-    return str(path)
+    (path,) = _packages(cache_dir, tmp_path).values()
+    return path
 
 
 def _table(path: str) -> list[aoti.Constant]:
@@ -244,19 +254,6 @@ class Lookup(nn.Module):
 
 def _ids(n: int) -> torch.Tensor:
     return torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n))
-
-
-def _packages(cache_dir, tmp_path) -> dict[int, str]:
-    """Every stored package of the cache, as ``.pt2`` files, by size."""
-    disk = DiskCache(str(cache_dir))
-    paths = {}
-    for entry in disk.entries()[0]:
-        if entry.kind == "aot":
-            key = entry.path.rsplit("/", 1)[1].removesuffix(store.SUFFIX)
-            path = tmp_path / f"{key}.pt2"
-            path.write_bytes(disk.read(key))
-            paths[int(entry.size)] = str(path)
-    return paths
 
 
 @pytest.mark.inductor
