@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import mmap
 import os
 import re
@@ -67,6 +68,8 @@ from typing import Any, Sequence
 import torch
 import torch.utils._pytree as pytree
 
+
+log = logging.getLogger(__name__)
 
 #: A cache line, and what torch's CPU allocator aligns tensors to (``c10::gAlignment``).
 ALIGNMENT = 64
@@ -512,6 +515,9 @@ def load_aligned(path: str) -> AlignedCpuPackage | NotAligned:
             held.append((key if mine else None, tensor))
         package = AlignedCpuPackage(runner, copies, held)
         package.embedded_dropped = dropped
+        log.debug("package %s: %d of %d constants (%d of %d bytes) shared with packages "
+                  "loaded before", path, len(reused), len(table),
+                  sum(c.nbytes for c in table if c.name in reused), sum(c.nbytes for c in table))
         return package
     except Exception as e:  # another runner or table: torch's loader, as before
         return NotAligned(f"{type(e).__name__}: {e}", counted=True)
