@@ -13,8 +13,14 @@ processes (two variants in one would share and evict each other's caches), alter
 per-call medians and the best process of each variant counts (this machine's speed
 drifts by 2x between processes minutes apart), with the ratio tuned / untuned.
 
+``--packaged``: what a warm restart serves instead: the sized pieces stored as packages
+(``store_frozen="inline"``, one cache folder per variant kept across its processes: the
+first builds, the others load), and a third variant, the default with the packages'
+equal constants not shared (``SIZEBACKEND_SHARE_CONSTANTS=0``).
+
     python benchmarks/bench_rotation.py [--preset small] [--sizes 2,4,8] [--repeats 3]
-                                        [--iters 400] [--threads 1] [--json out.json]
+                                        [--iters 400] [--threads 1] [--packaged]
+                                        [--json out.json]
 """
 from __future__ import annotations
 
@@ -29,6 +35,8 @@ import time
 import _child
 
 VARIANTS = {"untuned {}": {"sized_inductor_options": {}}, "CPU default": {}}
+#: With ``--packaged``: the default with every package's constants its own.
+UNSHARED = "default, unshared"
 
 
 def child(spec: dict) -> dict:
@@ -37,6 +45,8 @@ def child(spec: dict) -> dict:
 
     from dynamo_sizebackend.models import build_model, config
 
+    if spec["variant"] == UNSHARED:
+        os.environ["SIZEBACKEND_SHARE_CONSTANTS"] = "0"
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(0)
     cfg = config(spec["preset"])
@@ -48,7 +58,11 @@ def child(spec: dict) -> dict:
         return (torch.randint(cfg.vocab_size, (n,), generator=g), torch.arange(n),
                 torch.zeros(n, dtype=torch.long))
 
-    options = {"compile_sizes": spec["sizes"], "cache_dir": None, **VARIANTS[spec["variant"]]}
+    if spec["packaged"]:  # the cache folder from SIZEBACKEND_CACHE_DIR, kept per variant
+        options = {"compile_sizes": spec["sizes"], "store_frozen": "inline",
+                   **VARIANTS.get(spec["variant"], {})}
+    else:
+        options = {"compile_sizes": spec["sizes"], "cache_dir": None, **VARIANTS[spec["variant"]]}
     compiled = torch.compile(model, backend="sizebackend", options=options)
     called = spec["sizes"] if spec["mode"] == "rotate" else spec["sizes"][:1]
     with torch.no_grad():
@@ -76,34 +90,47 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--iters", type=int, default=400)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--packaged", action="store_true",
+                        help="sized pieces as stored packages; adds the default unshared")
     parser.add_argument("--json", default=None)
     args = _child.parse_or_serve(parser, child, argv)
     if args is None:
         return 0
     sizes = [int(s) for s in args.sizes.split(",")]
+    variants = list(VARIANTS) + ([UNSHARED] if args.packaged else [])
     root = tempfile.mkdtemp(prefix="bench-rotation-")
     runs: dict[tuple[str, str], list[dict]] = {}
     print(f"llama {args.preset}, sizes {sizes}, {args.threads} thread(s), {args.repeats} "
           f"alternated processes per variant and mode, {args.iters} rounds each")
     for repeat in range(args.repeats):
         for mode in ("rotate", "one size"):
-            for variant in VARIANTS:
+            for variant in variants:
                 spec = dict(variant=variant, mode=mode, preset=args.preset, sizes=sizes,
-                            iters=args.iters, threads=args.threads)
-                folder = os.path.join(root, f"{repeat}-{mode}-{variant}".replace(" ", "_"))
-                result, _, _ = _child.run(__file__, spec, os.path.join(folder, "inductor"),
-                                          os.path.join(folder, "sizebackend"),
-                                          drop_env=("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS",))
+                            iters=args.iters, threads=args.threads, packaged=args.packaged)
+                name = variant.replace(" ", "_").replace(",", "")
+                folder = os.path.join(root, f"{repeat}-{mode}-{name}")
+                cache = os.path.join(root, f"cache-{name}") if args.packaged else \
+                    os.path.join(folder, "sizebackend")
+                result, _, _ = _child.run(__file__, spec, os.path.join(folder, "inductor"), cache,
+                                          drop_env=("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS",
+                                                    "SIZEBACKEND_SHARE_CONSTANTS"))
                 runs.setdefault((mode, variant), []).append(result)
                 print(f"  {repeat + 1}: {mode:<8} {variant:<11} " + "  ".join(
                     f"n={n}: {s * 1e6:7.1f} us" for n, s in result.items()), flush=True)
     summary = {}
-    print(f"\n  {'calls':<10} {'n':>3} {'untuned us':>11} {'default us':>11} {'ratio':>6}")
+    unshared = f" {'unshared us':>11} {'ratio':>6}" if args.packaged else ""
+    print(f"\n  {'calls':<10} {'n':>3} {'untuned us':>11} {'default us':>11} {'ratio':>6}{unshared}")
     for mode in ("rotate", "one size"):
         for n in runs[(mode, "untuned {}")][0]:
-            plain, tuned = (min(r[n] for r in runs[(mode, v)]) for v in VARIANTS)
-            summary[f"{mode} n={n}"] = {"untuned": plain, "default": tuned, "ratio": tuned / plain}
-            print(f"  {mode:<10} {n:>3} {plain * 1e6:11.1f} {tuned * 1e6:11.1f} {tuned / plain:6.3f}")
+            best = {v: min(r[n] for r in runs[(mode, v)]) for v in variants}
+            plain, tuned = best["untuned {}"], best["CPU default"]
+            row = {"untuned": plain, "default": tuned, "ratio": tuned / plain}
+            line = f"  {mode:<10} {n:>3} {plain * 1e6:11.1f} {tuned * 1e6:11.1f} {tuned / plain:6.3f}"
+            if args.packaged:
+                row.update(unshared=best[UNSHARED], unshared_ratio=best[UNSHARED] / plain)
+                line += f" {best[UNSHARED] * 1e6:11.1f} {best[UNSHARED] / plain:6.3f}"
+            summary[f"{mode} n={n}"] = row
+            print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"sizes": sizes, "preset": args.preset, "summary": summary,
