@@ -202,7 +202,6 @@ class SharedConstants:
         self._entries: dict[tuple, list[Any]] = {}  # key -> [tensor, packages holding it]
         self.reused = 0
         """Constants handed out again since the process started."""
-        self.reused_bytes = 0
 
     @staticmethod
     def key(c: Constant, data: memoryview) -> tuple:
@@ -222,7 +221,6 @@ class SharedConstants:
                 return None  # a digest collision: never seen, but never trusted either
             entry[1] += 1
             self.reused += 1
-            self.reused_bytes += len(data)
             return tensor
 
     def add(self, key: tuple, tensor: torch.Tensor) -> bool:
@@ -266,27 +264,16 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
 
 
-def _copies(runner: Any, table: Sequence[Constant], embedded: memoryview
-            ) -> tuple[dict[str, torch.Tensor], dict[str, tuple], set[str]]:
+def _copies(runner: Any, table: Sequence[Constant], embedded: memoryview,
+            keys: dict[str, tuple], reused: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Aligned copies of every constant, keyed by internal name: one already loaded with
     the same layout and bytes (:data:`SHARED`), else a plain one made from the bytes the
     library embeds, an opaque (oneDNN) one cloned from the runner's (its FQN is unique,
-    checked by the caller); each constant's :meth:`SharedConstants.key` (none with
-    sharing off); and the names of those it took from :data:`SHARED` (counted there: the
-    caller releases them if it does not use them). Raises ``ValueError`` where the table
-    disagrees with those bytes or with the constants the runner loaded, having released
-    what it took."""
-    reused: dict[str, torch.Tensor] = {}
-    keys: dict[str, tuple] = {}
-    try:
-        return _copies_of(runner, table, embedded, keys, reused), keys, set(reused)
-    except BaseException:
-        _release_all([(keys[n], t) for n, t in reused.items()])
-        raise
-
-
-def _copies_of(runner: Any, table: Sequence[Constant], embedded: memoryview,
-               keys: dict[str, tuple], reused: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    checked by the caller). Fills ``keys`` with each constant's
+    :meth:`SharedConstants.key` (none with sharing off) and ``reused`` with those taken
+    from :data:`SHARED` (counted there: the caller releases them, also when this raises).
+    Raises ``ValueError`` where the table disagrees with those bytes or with the
+    constants the runner loaded."""
     if {c.name: c.fqn for c in table} != dict(runner.get_constant_names_to_original_fqns()):
         raise ValueError("constant names differ from the runner's")
     if sum(c.nbytes for c in table) != len(embedded):
@@ -350,12 +337,12 @@ def _drop_embedded_pages(library: str, start: int, end: int) -> int:
     page = mmap.PAGESIZE
     advised = 0
     try:
-        real = os.path.realpath(library)
+        real = os.path.realpath(library)  # the kernel lists mappings by their resolved path
         with open("/proc/self/maps") as maps:
-            lines = [line.split() for line in maps]
+            lines = [line.rstrip("\n").split(maxsplit=5) for line in maps]
         libc = ctypes.CDLL(None, use_errno=True)
         for fields in lines:
-            if len(fields) < 6 or os.path.realpath(fields[5]) != real:
+            if len(fields) < 6 or fields[5] != real:
                 continue
             low, high = (int(v, 16) for v in fields[0].split("-"))
             offset = int(fields[2], 16)
@@ -390,7 +377,7 @@ class AlignedCpuPackage:
     rebuilds its outputs from the package's call spec, as ``AOTICompiledModel`` does."""
 
     def __init__(self, runner: Any, constants: dict[str, torch.Tensor],
-                 held: Sequence[tuple[tuple | None, torch.Tensor]] = ()):
+                 held: Sequence[tuple[tuple | None, torch.Tensor]] = (), embedded_dropped: int = 0):
         self.runner = runner
         self.constants = constants  # the runner's user-managed constants point here
         _, out_spec = runner.get_call_spec()
@@ -399,7 +386,7 @@ class AlignedCpuPackage:
         # package (``run`` is its method; a chain keeps the package), never the runner alone.
         self._finalizer = weakref.finalize(self, _release_all, list(held))
         self._finalizer.atexit = False  # at exit a daemon thread may still be in a call
-        self.embedded_dropped = 0
+        self.embedded_dropped = embedded_dropped
         """Bytes of the library's embedded constants given back to the kernel at load."""
 
     def run(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -492,11 +479,14 @@ def load_aligned(path: str) -> AlignedCpuPackage | NotAligned:
         if not all(c.fits() for c in table):
             return NotAligned("a constant's shape exceeds its bytes", counted=True)
         runner = runner_class(extracted, 1)  # dlopen keeps the library once the file goes
-        with open(extracted, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as lib:
-            start, end = embedded_constants(lib)
-            with memoryview(lib)[start:end] as embedded:
-                copies, keys, reused = _copies(runner, table, embedded)
+        keys: dict[str, tuple] = {}
+        reused: dict[str, torch.Tensor] = {}
+        copies: dict[str, torch.Tensor] = {}
         try:
+            with open(extracted, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as lib:
+                start, end = embedded_constants(lib)
+                with memoryview(lib)[start:end] as embedded:
+                    copies = _copies(runner, table, embedded, keys, reused)
             runner.update_constant_buffer(copies, True, True, True)  # inactive, full, user-managed
             runner.swap_constant_buffer()
             runner.free_inactive_constant_buffer()
@@ -504,8 +494,9 @@ def load_aligned(path: str) -> AlignedCpuPackage | NotAligned:
             for fqn, tensor in runner.extract_constants_map(False).items():
                 if address(tensor) != address(copies[first[fqn].name]):
                     raise ValueError(f"{fqn}: not the aligned copy after the swap")
-        except BaseException:  # the runner goes unused: its constants with it
-            _release_all([(keys[n] if n in reused else None, t) for n, t in copies.items()])
+        except BaseException:  # the runner goes unused: what it was given, and what was taken
+            _release_all([(keys[n], t) for n, t in reused.items()]
+                         + [(None, t) for n, t in copies.items() if n not in reused])
             raise
         dropped = _drop_embedded_pages(extracted, start, end)
         held = []
@@ -513,8 +504,7 @@ def load_aligned(path: str) -> AlignedCpuPackage | NotAligned:
             key = keys.get(name)
             mine = name in reused or (key is not None and SHARED.add(key, tensor))
             held.append((key if mine else None, tensor))
-        package = AlignedCpuPackage(runner, copies, held)
-        package.embedded_dropped = dropped
+        package = AlignedCpuPackage(runner, copies, held, dropped)
         log.debug("package %s: %d of %d constants (%d of %d bytes) shared with packages "
                   "loaded before", path, len(reused), len(table),
                   sum(c.nbytes for c in table if c.name in reused), sum(c.nbytes for c in table))
