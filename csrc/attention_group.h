@@ -42,6 +42,9 @@ static inline float exp_nonpositive(float x) {
 typedef float Vec16 __attribute__((vector_size(64)));
 typedef float Vec8 __attribute__((vector_size(32)));
 typedef float Vec4 __attribute__((vector_size(16)));
+// The instruction set's own width (SIZEBACKEND_VECTOR_BYTES, set by the includer).
+typedef float Vec __attribute__((vector_size(SIZEBACKEND_VECTOR_BYTES)));
+constexpr int64_t kLanes = SIZEBACKEND_VECTOR_BYTES / sizeof(float);
 
 // The sum of a vector's lanes, halving it (__builtin_shufflevector: GCC 12, clang).
 #if defined(__clang__) || __GNUC__ >= 12
@@ -86,14 +89,8 @@ static inline float dot_lanes(const float* a, const float* b, int64_t n) {
 
 // a . b over n floats, with the widest vector that divides n.
 static inline float dot(const float* a, const float* b, int64_t n) {
-  if (n % (SIZEBACKEND_VECTOR_BYTES / 4) == 0) {
-#if SIZEBACKEND_VECTOR_BYTES == 64
-    return dot_lanes<Vec16>(a, b, n);
-#elif SIZEBACKEND_VECTOR_BYTES == 32
-    return dot_lanes<Vec8>(a, b, n);
-#else
-    return dot_lanes<Vec4>(a, b, n);
-#endif
+  if (n % kLanes == 0) {
+    return dot_lanes<Vec>(a, b, n);
   }
   if (n % 4 == 0) {
     return dot_lanes<Vec4>(a, b, n);
@@ -195,17 +192,9 @@ void attend_group(const scalar_t* q, int64_t q_head_stride, const scalar_t* k, c
     inv_total[g] = 1.0f / total;
   }
 
-  constexpr int64_t lanes = SIZEBACKEND_VECTOR_BYTES / 4;
-  if (std::is_same_v<scalar_t, float> && head_dim % lanes == 0) {
+  if (std::is_same_v<scalar_t, float> && head_dim % kLanes == 0) {
     for (int64_t g = 0; g < group; ++g) {
-#if SIZEBACKEND_VECTOR_BYTES == 64
-      using VecT = Vec16;
-#elif SIZEBACKEND_VECTOR_BYTES == 32
-      using VecT = Vec8;
-#else
-      using VecT = Vec4;
-#endif
-      weighted_sum_lanes<VecT>(scores + g * length, reinterpret_cast<const float*>(v), row_stride,
+      weighted_sum_lanes<Vec>(scores + g * length, reinterpret_cast<const float*>(v), row_stride,
                                length, head_dim, acc + g * head_dim);
     }
   } else {
