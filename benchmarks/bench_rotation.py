@@ -58,11 +58,9 @@ def child(spec: dict) -> dict:
         return (torch.randint(cfg.vocab_size, (n,), generator=g), torch.arange(n),
                 torch.zeros(n, dtype=torch.long))
 
-    if spec["packaged"]:  # the cache folder from SIZEBACKEND_CACHE_DIR, kept per variant
-        options = {"compile_sizes": spec["sizes"], "store_frozen": "inline",
-                   **VARIANTS.get(spec["variant"], {})}
-    else:
-        options = {"compile_sizes": spec["sizes"], "cache_dir": None, **VARIANTS[spec["variant"]]}
+    # Packaged: the cache folder from SIZEBACKEND_CACHE_DIR, kept per variant.
+    where = {"store_frozen": "inline"} if spec["packaged"] else {"cache_dir": None}
+    options = {"compile_sizes": spec["sizes"], **where, **VARIANTS.get(spec["variant"], {})}
     compiled = torch.compile(model, backend="sizebackend", options=options)
     called = spec["sizes"] if spec["mode"] == "rotate" else spec["sizes"][:1]
     with torch.no_grad():

@@ -201,8 +201,8 @@ void write_cache(
   }
 }
 
-// What both attention passes read of q and the caches: sizes, strides and the
-// parallel_for grain.
+// What both versions of pass 2 (float and float64 accumulation) read of q and the
+// caches: sizes, strides and the parallel_for grain.
 struct Layout {
   int64_t num_tokens, num_heads, head_dim, num_kv_heads, group, max_len;
   int64_t position_stride, slot_stride;  // of the caches, in elements
