@@ -25,6 +25,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_kernels.h"
+
 // The inner kernel, once per instruction set (attention_group.h says why).
 #define SIZEBACKEND_VECTOR_BYTES 16
 namespace sizebackend::isa_default {
@@ -260,9 +262,7 @@ Isa isa() {
   return chosen;
 }
 
-template <typename scalar_t>
-using GroupKernel = void (*)(const scalar_t*, int64_t, const scalar_t*, const scalar_t*, int64_t,
-                             int64_t, int64_t, int64_t, float, float*, scalar_t*);
+}  // namespace
 
 template <typename scalar_t>
 GroupKernel<scalar_t> group_kernel() {
@@ -277,6 +277,12 @@ GroupKernel<scalar_t> group_kernel() {
       return &isa_default::attend_group<scalar_t>;
   }
 }
+
+template GroupKernel<float> group_kernel<float>();
+template GroupKernel<c10::BFloat16> group_kernel<c10::BFloat16>();
+template GroupKernel<c10::Half> group_kernel<c10::Half>();
+
+namespace {
 
 // Pass 2 for float, bfloat16 and float16 (accumulated in float): one work item per
 // (token, kv head), covering the query heads that share that kv head, so that each key
@@ -296,15 +302,17 @@ void attend_float(
 
   at::parallel_for(0, l.num_tokens * l.num_kv_heads, l.grain(positions, l.group),
                    [&](int64_t begin, int64_t end) {
-    std::vector<float> work(l.group * (2 * l.head_dim + l.max_len + 1) + l.head_dim);
+    std::vector<float> work(GroupArgs<scalar_t>::work_size(l.group, l.head_dim, l.max_len));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / l.num_kv_heads;
       const int64_t kv_head = item % l.num_kv_heads;
       const int64_t base = slots[t] * l.slot_stride + kv_head * l.head_dim;
-      kernel(q_data + t * l.q_token_stride + kv_head * l.group * l.q_head_stride,
-             l.q_head_stride, k_data + base, v_data + base, l.position_stride, l.group,
-             l.head_dim, positions[t] + 1, static_cast<float>(scale), work.data(),
-             out_data + (t * l.num_heads + kv_head * l.group) * l.head_dim);
+      const GroupArgs<scalar_t> args{
+          q_data + t * l.q_token_stride + kv_head * l.group * l.q_head_stride, l.q_head_stride,
+          k_data + base, l.position_stride, v_data + base, l.position_stride, l.group,
+          l.head_dim, positions[t] + 1, static_cast<float>(scale), nullptr,
+          out_data + (t * l.num_heads + kv_head * l.group) * l.head_dim, l.head_dim};
+      kernel(args, work.data());
     }
   });
 }

@@ -1,5 +1,7 @@
-// The inner kernel of sizebackend::attention (attention.cpp): one token's query heads
-// that share one kv head, over that head's history in the cache, accumulated in float.
+// The inner kernel of sizebackend::attention (attention.cpp) and sizebackend::sdpa
+// (sdpa.cpp): the query rows that share one kv head, over that head's key and value rows
+// (a sequence's history in the cache, or SDPA's keys), accumulated in float
+// (GroupArgs in attention_kernels.h).
 //
 // attention.cpp includes this file once per instruction set, each time inside its own
 // namespace and `#pragma GCC target` region, and calls the copy that matches ATen's CPU
@@ -134,31 +136,27 @@ static inline void weighted_sum_lanes(const float* weights, const float* rows, i
   }
 }
 
-// out[g, :] = softmax_j(scale * q[g, :] . k[j, :]) . v[j, :] for g < group, j < length.
-// q rows are `q_head_stride` apart, k and v rows `row_stride` apart (the cache's position
-// stride); every row is head_dim dense elements. out: group * head_dim dense elements.
-// work: group * (2 * head_dim + length + 1) + head_dim floats.
+// One work item (GroupArgs, attention_kernels.h). work: GroupArgs::work_size floats.
 template <typename scalar_t>
-void attend_group(const scalar_t* q, int64_t q_head_stride, const scalar_t* k, const scalar_t* v,
-                  int64_t row_stride, int64_t group, int64_t head_dim, int64_t length,
-                  float scale, float* work, scalar_t* out) {
+void attend_group(const GroupArgs<scalar_t>& a, float* work) {
+  const int64_t group = a.group, head_dim = a.head_dim, length = a.length;
   float* query = work;
   float* acc = query + group * head_dim;
   float* scores = acc + group * head_dim;  // [group, length]
   float* inv_total = scores + group * length;  // [group]
   float* key = inv_total + group;               // [head_dim]: a key row in float
   for (int64_t g = 0; g < group; ++g) {
-    const scalar_t* q_row = q + g * q_head_stride;
+    const scalar_t* q_row = a.q + g * a.q_head_stride;
     float* query_row = query + g * head_dim;
 #pragma omp simd
     for (int64_t d = 0; d < head_dim; ++d) {
-      query_row[d] = static_cast<float>(q_row[d]) * scale;
+      query_row[d] = static_cast<float>(q_row[d]) * a.scale;
     }
   }
 
   // Each key row is read once for all the group's heads.
   for (int64_t j = 0; j < length; ++j) {
-    const scalar_t* k_row = k + j * row_stride;
+    const scalar_t* k_row = a.k + j * a.k_row_stride;
     const float* key_row;
     if constexpr (std::is_same_v<scalar_t, float>) {
       key_row = k_row;
@@ -176,33 +174,59 @@ void attend_group(const scalar_t* q, int64_t q_head_stride, const scalar_t* k, c
 
   for (int64_t g = 0; g < group; ++g) {
     float* row = scores + g * length;
+    if (a.bias != nullptr) {
+      const float* bias = a.bias + g * length;
+#pragma omp simd
+      for (int64_t j = 0; j < length; ++j) {
+        row[j] += bias[j];
+      }
+    }
     float max_score = row[0];
 #pragma omp simd reduction(max : max_score)
     for (int64_t j = 0; j < length; ++j) {
       max_score = row[j] > max_score ? row[j] : max_score;
     }
+    if (a.bias != nullptr && max_score == -std::numeric_limits<float>::infinity()) {
+      // Every key masked: zeros, not the NaN that -inf - -inf would give.
+      for (int64_t j = 0; j < length; ++j) {
+        row[j] = 0.0f;
+      }
+      inv_total[g] = 0.0f;
+      continue;
+    }
     // The largest term is e^0 = 1, so the sum is >= 1 and dividing by it is safe.
     float total = 0.0f;
+    if (a.bias == nullptr) {
 #pragma omp simd reduction(+ : total)
-    for (int64_t j = 0; j < length; ++j) {
-      const float e = exp_nonpositive(row[j] - max_score);
-      row[j] = e;
-      total += e;
+      for (int64_t j = 0; j < length; ++j) {
+        const float e = exp_nonpositive(row[j] - max_score);
+        row[j] = e;
+        total += e;
+      }
+    } else {  // a masked key (-inf) weighs exactly 0, not exp_nonpositive's e^-87
+#pragma omp simd reduction(+ : total)
+      for (int64_t j = 0; j < length; ++j) {
+        const float x = row[j];
+        const float e = x == -std::numeric_limits<float>::infinity()
+                            ? 0.0f : exp_nonpositive(x - max_score);
+        row[j] = e;
+        total += e;
+      }
     }
     inv_total[g] = 1.0f / total;
   }
 
   if (std::is_same_v<scalar_t, float> && head_dim % kLanes == 0) {
     for (int64_t g = 0; g < group; ++g) {
-      weighted_sum_lanes<Vec>(scores + g * length, reinterpret_cast<const float*>(v), row_stride,
-                               length, head_dim, acc + g * head_dim);
+      weighted_sum_lanes<Vec>(scores + g * length, reinterpret_cast<const float*>(a.v),
+                               a.v_row_stride, length, head_dim, acc + g * head_dim);
     }
   } else {
     for (int64_t i = 0; i < group * head_dim; ++i) {
       acc[i] = 0.0f;
     }
     for (int64_t j = 0; j < length; ++j) {
-      const scalar_t* v_row = v + j * row_stride;
+      const scalar_t* v_row = a.v + j * a.v_row_stride;
       for (int64_t g = 0; g < group; ++g) {
         const float weight = scores[g * length + j];
         float* acc_row = acc + g * head_dim;
@@ -214,9 +238,10 @@ void attend_group(const scalar_t* q, int64_t q_head_stride, const scalar_t* k, c
     }
   }
   for (int64_t g = 0; g < group; ++g) {
+    scalar_t* out_row = a.out + g * a.out_head_stride;
 #pragma omp simd
     for (int64_t d = 0; d < head_dim; ++d) {
-      out[g * head_dim + d] = static_cast<scalar_t>(acc[g * head_dim + d] * inv_total[g]);
+      out_row[d] = static_cast<scalar_t>(acc[g * head_dim + d] * inv_total[g]);
     }
   }
 }

@@ -3,8 +3,8 @@
 //
 // The shared object is also a Python extension module: importing it loads the library,
 // and it holds the FrozenGuard class (csrc/frozen_guard.cpp), the packed-linear cache's
-// two functions (csrc/packed_linear.cpp), the Chain class (csrc/chain.cpp) and
-// attention_isa (csrc/attention.cpp).
+// two functions (csrc/packed_linear.cpp), the Chain class (csrc/chain.cpp),
+// attention_isa (csrc/attention.cpp) and sdpa_counts (csrc/sdpa.cpp).
 #include <torch/extension.h>
 
 #include <torch/library.h>
@@ -14,6 +14,7 @@ void bind_frozen_guard(pybind11::module_& m);  // csrc/frozen_guard.cpp
 void bind_packed_linear(pybind11::module_& m);  // csrc/packed_linear.cpp
 void bind_chain(pybind11::module_& m);  // csrc/chain.cpp
 const char* attention_isa();  // csrc/attention.cpp
+std::pair<int64_t, int64_t> sdpa_counts();  // csrc/sdpa.cpp
 }
 
 // `from dynamo_sizebackend import _C` loads the .so, which runs the static registrars
@@ -26,6 +27,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_isa", &sizebackend::attention_isa,
         "The instruction set sizebackend::attention's CPU kernel runs on: 'avx512', 'avx2' "
         "or 'default' (ATen's CPU capability, ATEN_CPU_CAPABILITY included).");
+  m.def("sdpa_counts", &sizebackend::sdpa_counts,
+        "(direct, aten): sizebackend::sdpa's CPU calls since the process started, run by "
+        "the direct kernel and handed to ATen's SDPA.");
 }
 
 TORCH_LIBRARY(sizebackend, m) {
@@ -43,4 +47,10 @@ TORCH_LIBRARY(sizebackend, m) {
   // linear(x, w, b) on a copy of w packed for oneDNN once and kept while w is unchanged
   // (csrc/packed_linear.cpp); calls of fewer than min_rows rows run aten's linear.
   m.def("packed_linear(Tensor x, Tensor w, Tensor? b, int min_rows) -> Tensor");
+  // aten::scaled_dot_product_attention's schema and results; small CPU calls run a direct
+  // kernel (csrc/sdpa.cpp), the rest ATen's op.
+  m.def(
+      "sdpa(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
+      "float dropout_p=0.0, bool is_causal=False, *, float? scale=None, "
+      "bool enable_gqa=False) -> Tensor");
 }

@@ -28,7 +28,7 @@ from ..options import SizeBackendOptions
 from ..runtime import chain, cudagraphs, padding
 from ..runtime.runner import Program, Runner, generated_forward
 from ..stats import COUNTERS
-from . import background, floats, freeze, guards, linears, rows
+from . import background, cpu_sdpa, floats, freeze, guards, linears, rows
 from . import swap as swap_
 from .adaptor import (
     CompiledPiece,
@@ -355,6 +355,8 @@ class GraphCompiler:
         batch = find_batch(gm, self.options.batch_dim)
         sg = split(gm, OpMatcher(self.options.splitting_ops))
         device = _device_type(example_inputs)
+        if device == "cpu":
+            cpu_sdpa.swap(sg, self.graph_id)
         size_one = self._listed_size_one(batch, device)
         self.adaptor = make_adaptor(
             self.options, device, tuned=not self._rows_stay_symbolic(gm, batch, device, size_one))

@@ -1,4 +1,5 @@
 """The ``sizebackend`` custom-op library: attention with an in-place KV-cache write,
+``sdpa`` (SDPA with a direct kernel for small CPU calls; see :func:`sdpa`),
 ``weak_ref`` (a non-owning view, for CUDA-graph outputs; see :func:`weak_ref`) and
 ``packed_linear`` (a linear on a weight packed for oneDNN at run time; see
 :func:`packed_linear`).
@@ -54,7 +55,8 @@ except ImportError as error:  # pragma: no cover - only without a build
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["attention", "attention_reference", "has_weak_ref", "packed_linear", "weak_ref"]
+__all__ = ["attention", "attention_reference", "has_weak_ref", "packed_linear", "sdpa", "sdpa_counts",
+           "weak_ref"]
 
 _OP = "sizebackend::attention"
 _PREFIX = f"{_OP}: "
@@ -274,3 +276,33 @@ def _packed_linear_fake(x: Tensor, w: Tensor, b: Tensor | None, min_rows: int) -
     torch._check(x.shape[-1] == w.shape[1], lambda: (
         f"sizebackend::packed_linear: x has {x.shape[-1]} features, w takes {w.shape[1]}"))
     return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+def sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+         dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
+         enable_gqa: bool = False) -> Tensor:
+    """``torch.nn.functional.scaled_dot_product_attention``, same arguments and results
+    (the same output layout too), with a direct CPU kernel for small calls: 4-D float32,
+    bfloat16 or float16 inputs, no dropout, where ATen would run its flash kernel, and
+    per head at most 8192 query-key pairs times the head dim (a decode step over 128
+    keys of 64, 12 causal queries of 64). Everything else, and every call that needs
+    gradients, is ATen's SDPA. The backend runs it in place of the SDPA between a CPU
+    graph's pieces (``compile/cpu_sdpa.py``; ``csrc/sdpa.cpp`` says why)."""
+    return torch.ops.sizebackend.sdpa.default(query, key, value, attn_mask, dropout_p, is_causal,
+                                              scale=scale, enable_gqa=enable_gqa)
+
+
+def sdpa_counts() -> tuple[int, int]:
+    """``(direct, aten)``: this process's CPU calls of :func:`sdpa` the direct kernel ran,
+    and those it handed to ATen's SDPA."""
+    return tuple(_C.sdpa_counts())
+
+
+@torch.library.register_fake("sizebackend::sdpa")
+def _sdpa_fake(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+               dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
+               enable_gqa: bool = False) -> Tensor:
+    # ATen's own SDPA on the fake tensors: it picks the backend a real CPU or GPU call
+    # would (the C++ meta kernel would see the meta device and pick the math layout).
+    return torch.ops.aten.scaled_dot_product_attention(
+        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)

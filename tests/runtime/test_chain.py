@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 import dynamo_sizebackend as sb
+from dynamo_sizebackend import ops
 from dynamo_sizebackend.runtime import runner
 from dynamo_sizebackend.models import config
 
@@ -179,9 +180,10 @@ def test_a_jit_piece_keeps_the_python_forward(runners, caplog):
 @torch.no_grad()
 def test_sdpa_as_dynamo_records_it_runs_in_the_chain(real_defaults, runners, monkeypatch, tmp_path):
     """``F.scaled_dot_product_attention`` reaches the split graph as the binding
-    ``torch._C._nn.scaled_dot_product_attention``: the chain calls the ATen op it stands
-    for, with the call's keyword (``is_causal``) and the schema's defaults; the same
-    values as the Python forward, to the bit; other Python threads run meanwhile."""
+    ``torch._C._nn.scaled_dot_product_attention``, which a CPU graph runs as
+    ``sizebackend::sdpa`` (compile/cpu_sdpa.py): the chain calls that op, with the call's
+    keyword (``is_causal``) and the schema's defaults; the same values as the Python
+    forward, to the bit; other Python threads run meanwhile."""
     from dynamo_sizebackend.models.sdpa import TinyTransformer
 
     made, calls = runners
@@ -199,8 +201,10 @@ def test_sdpa_as_dynamo_records_it_runs_in_the_chain(real_defaults, runners, mon
     y = x * 2
     torch._dynamo.mark_dynamic(y, 0)
     args = _args(monkeypatch, compiled, (y,))
+    direct = ops.sdpa_counts()[0]
     torch.testing.assert_close(program.chain(args), graph._forward(program, *args),
                                rtol=0, atol=0)
+    assert ops.sdpa_counts()[0] == direct + 2  # the chain's call and the forward's
     torch.testing.assert_close(program.chain(args)[0], model(y), atol=1e-5, rtol=1e-5)
 
     # The steps run without the GIL, as torch's runner runs one package: a thread that
