@@ -8,7 +8,7 @@ export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/inductor
 
 .PHONY: setup demo test bench-latency clean
 
-$(VENV)/.installed: setup.py pyproject.toml $(wildcard csrc/*.cpp)
+$(VENV)/.installed: setup.py pyproject.toml $(wildcard csrc/*.cpp) $(wildcard csrc/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# Pinned: plain `torch` would pull a multi-GB CUDA build.
