@@ -245,3 +245,166 @@ void attend_group(const GroupArgs<scalar_t>& a, float* work) {
     }
   }
 }
+
+// Several queries of one head (RowsArgs, attention_kernels.h): the keys go across the
+// vector's lanes (K transposed into `work` once per call), so each score is a lane of
+// a vector sum over the head dim, with no lane sums at the end; four query rows share
+// each load of the transposed keys and of the value rows. head_dim: a multiple of kLanes.
+// work: RowsArgs::work_size floats (with kLanes).
+template <typename scalar_t>
+void attend_rows(const RowsArgs<scalar_t>& a, float* work) {
+  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+  const int64_t rows = a.rows, dim = a.head_dim, keys = a.keys;
+  const int64_t padded_keys = (keys + kLanes - 1) / kLanes * kLanes;
+  const int64_t padded_rows = (rows + 3) / 4 * 4;
+  float* kt = work;                                        // [dim, padded_keys]
+  float* query = kt + dim * padded_keys;                   // [padded_rows, dim], scaled
+  float* scores = query + padded_rows * dim;               // [padded_rows, padded_keys]
+  float* inv_total = scores + padded_rows * padded_keys;   // [padded_rows]
+  float* value = inv_total + padded_rows;                  // [keys, dim], if not float
+
+  for (int64_t j = 0; j < keys; ++j) {
+    const scalar_t* k_row = a.k + j * a.k_row_stride;
+    for (int64_t d = 0; d < dim; ++d) {
+      kt[d * padded_keys + j] = static_cast<float>(k_row[d]);
+    }
+  }
+  for (int64_t d = 0; d < dim; ++d) {
+    for (int64_t j = keys; j < padded_keys; ++j) {
+      kt[d * padded_keys + j] = 0.0f;
+    }
+  }
+  for (int64_t r = 0; r < padded_rows; ++r) {
+    float* row = query + r * dim;
+    if (r < rows) {
+      const scalar_t* q_row = a.q + r * a.q_row_stride;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) {
+        row[d] = static_cast<float>(q_row[d]) * a.scale;
+      }
+    } else {  // padding rows: computed alongside, never written out
+      for (int64_t d = 0; d < dim; ++d) {
+        row[d] = 0.0f;
+      }
+    }
+  }
+
+  // Scores, four rows at a time. Causal: rows r..r+3 see no key past r + 3.
+  for (int64_t r = 0; r < padded_rows; r += 4) {
+    const float* q0 = query + r * dim;
+    const float* q1 = q0 + dim;
+    const float* q2 = q1 + dim;
+    const float* q3 = q2 + dim;
+    const int64_t end = a.causal ? std::min(padded_keys, (r + 4 + kLanes - 1) / kLanes * kLanes)
+                                 : padded_keys;
+    for (int64_t c = 0; c < end; c += kLanes) {
+      Vec s0 = {}, s1 = {}, s2 = {}, s3 = {};
+      const float* col = kt + c;
+      for (int64_t d = 0; d < dim; ++d) {
+        Vec x;
+        __builtin_memcpy(&x, col + d * padded_keys, sizeof(Vec));
+        s0 += q0[d] * x;
+        s1 += q1[d] * x;
+        s2 += q2[d] * x;
+        s3 += q3[d] * x;
+      }
+      float* out = scores + r * padded_keys + c;
+      __builtin_memcpy(out, &s0, sizeof(Vec));
+      __builtin_memcpy(out + padded_keys, &s1, sizeof(Vec));
+      __builtin_memcpy(out + 2 * padded_keys, &s2, sizeof(Vec));
+      __builtin_memcpy(out + 3 * padded_keys, &s3, sizeof(Vec));
+    }
+  }
+
+  // Softmax per row; weights past a row's last key are 0, so the sum below runs over
+  // every key the block's rows see.
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = scores + r * padded_keys;
+    const int64_t length = a.causal ? std::min(r + 1, keys) : keys;
+    if (a.bias != nullptr) {
+      const float* bias = a.bias + r * keys;
+#pragma omp simd
+      for (int64_t j = 0; j < length; ++j) {
+        row[j] += bias[j];
+      }
+    }
+    float max_score = row[0];
+#pragma omp simd reduction(max : max_score)
+    for (int64_t j = 0; j < length; ++j) {
+      max_score = row[j] > max_score ? row[j] : max_score;
+    }
+    float total = 0.0f;
+    if (a.bias != nullptr && max_score == kMinusInf) {  // every key masked: zeros
+      for (int64_t j = 0; j < keys; ++j) {
+        row[j] = 0.0f;
+      }
+      inv_total[r] = 0.0f;
+      continue;
+    }
+    if (a.bias == nullptr) {
+#pragma omp simd reduction(+ : total)
+      for (int64_t j = 0; j < length; ++j) {
+        const float e = exp_nonpositive(row[j] - max_score);
+        row[j] = e;
+        total += e;
+      }
+    } else {  // a masked key (-inf) weighs exactly 0
+#pragma omp simd reduction(+ : total)
+      for (int64_t j = 0; j < length; ++j) {
+        const float x = row[j];
+        const float e = x == kMinusInf ? 0.0f : exp_nonpositive(x - max_score);
+        row[j] = e;
+        total += e;
+      }
+    }
+    inv_total[r] = 1.0f / total;  // >= 1: the largest term is e^0
+    for (int64_t j = length; j < keys; ++j) {
+      row[j] = 0.0f;
+    }
+  }
+
+  const float* v_rows = reinterpret_cast<const float*>(a.v);
+  int64_t v_stride = a.v_row_stride;
+  if constexpr (!std::is_same_v<scalar_t, float>) {
+    for (int64_t j = 0; j < keys; ++j) {
+      const scalar_t* v_row = a.v + j * a.v_row_stride;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) {
+        value[j * dim + d] = static_cast<float>(v_row[d]);
+      }
+    }
+    v_rows = value;
+    v_stride = dim;
+  }
+  for (int64_t r = 0; r < rows; r += 4) {
+    const float* p0 = scores + r * padded_keys;
+    const float* p1 = p0 + padded_keys;
+    const float* p2 = p1 + padded_keys;
+    const float* p3 = p2 + padded_keys;
+    const int64_t length = a.causal ? std::min(r + 4, keys) : keys;
+    for (int64_t c = 0; c < dim; c += kLanes) {
+      Vec a0 = {}, a1 = {}, a2 = {}, a3 = {};
+      const float* col = v_rows + c;
+      for (int64_t j = 0; j < length; ++j) {
+        Vec x;
+        __builtin_memcpy(&x, col + j * v_stride, sizeof(Vec));
+        a0 += p0[j] * x;
+        a1 += p1[j] * x;
+        a2 += p2[j] * x;
+        a3 += p3[j] * x;
+      }
+      const Vec* acc[4] = {&a0, &a1, &a2, &a3};
+      for (int64_t i = 0; i < 4 && r + i < rows; ++i) {
+        const Vec total = *acc[i] * inv_total[r + i];
+        scalar_t* out = a.out + (r + i) * a.out_row_stride + c;
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          __builtin_memcpy(out, &total, sizeof(Vec));
+        } else {
+          for (int64_t l = 0; l < kLanes; ++l) {
+            out[l] = static_cast<scalar_t>(total[l]);
+          }
+        }
+      }
+    }
+  }
+}
