@@ -282,37 +282,6 @@ template GroupKernel<float> group_kernel<float>();
 template GroupKernel<c10::BFloat16> group_kernel<c10::BFloat16>();
 template GroupKernel<c10::Half> group_kernel<c10::Half>();
 
-template <typename scalar_t>
-RowsKernel<scalar_t> rows_kernel() {
-  switch (isa()) {
-#ifdef SIZEBACKEND_X86_COPIES
-    case Isa::kAvx512:
-      return &isa_avx512::attend_rows<scalar_t>;
-    case Isa::kAvx2:
-      return &isa_avx2::attend_rows<scalar_t>;
-#endif
-    default:
-      return &isa_default::attend_rows<scalar_t>;
-  }
-}
-
-template RowsKernel<float> rows_kernel<float>();
-template RowsKernel<c10::BFloat16> rows_kernel<c10::BFloat16>();
-template RowsKernel<c10::Half> rows_kernel<c10::Half>();
-
-int64_t tile_lanes() {
-  switch (isa()) {
-#ifdef SIZEBACKEND_X86_COPIES
-    case Isa::kAvx512:
-      return isa_avx512::kLanes;
-    case Isa::kAvx2:
-      return isa_avx2::kLanes;
-#endif
-    default:
-      return isa_default::kLanes;
-  }
-}
-
 namespace {
 
 // Pass 2 for float, bfloat16 and float16 (accumulated in float): one work item per

@@ -96,26 +96,6 @@ bool direct(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
          static_cast<int64_t>(sdp::SDPBackend::flash_attention);
 }
 
-// bias[r, j] for queries first..first+count-1 and keys 0..length-1 of (b, h), from the
-// mask expanded to [B, H, L, S]: a bool mask as 0 / -inf, a float one as it is.
-void fill_bias(const bool* mask_bool, const float* mask_float, const at::Tensor& m, int64_t b,
-               int64_t h, int64_t first, int64_t count, int64_t length, float* bias) {
-  const int64_t step = m.stride(3);
-  for (int64_t r = 0; r < count; ++r) {
-    const int64_t offset = b * m.stride(0) + h * m.stride(1) + (first + r) * m.stride(2);
-    float* row = bias + r * length;
-    if (mask_bool != nullptr) {
-      for (int64_t j = 0; j < length; ++j) {
-        row[j] = mask_bool[offset + j * step] ? 0.0f : -std::numeric_limits<float>::infinity();
-      }
-    } else {
-      for (int64_t j = 0; j < length; ++j) {
-        row[j] = mask_float[offset + j * step];
-      }
-    }
-  }
-}
-
 template <typename scalar_t>
 void attend_direct(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const std::optional<at::Tensor>& mask, bool is_causal, float scale,
@@ -137,37 +117,6 @@ void attend_direct(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   const bool* mask_bool = bool_mask ? m.const_data_ptr<bool>() : nullptr;
   const float* mask_float = has_mask && !bool_mask ? m.const_data_ptr<float>() : nullptr;
 
-  if (queries >= 2 && dim % tile_lanes() == 0) {
-    // Several queries per head: one item per (batch, head), its queries as the rows of
-    // attend_rows (keys across the vector lanes, four queries per load).
-    const RowsKernel<scalar_t> kernel = rows_kernel<scalar_t>();
-    const int64_t scratch = RowsArgs<scalar_t>::work_size(queries, dim, keys, tile_lanes());
-    const int64_t grain =
-        std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, 2 * queries * keys * dim));
-    at::parallel_for(0, batch * heads, grain, [&](int64_t begin, int64_t end) {
-      std::vector<float> work(scratch + (has_mask ? queries * keys : 0));
-      float* bias = work.data() + scratch;  // [queries, keys]
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t h = item % heads;
-        const int64_t b = item / heads;
-        const int64_t kv_head = h / group;
-        if (has_mask) {
-          fill_bias(mask_bool, mask_float, m, b, h, 0, queries, keys, bias);
-        }
-        const RowsArgs<scalar_t> args{
-            q_data + b * q.stride(0) + h * q.stride(1), q.stride(2),
-            k_data + b * k.stride(0) + kv_head * k.stride(1), k.stride(2),
-            v_data + b * v.stride(0) + kv_head * v.stride(1), v.stride(2),
-            queries, dim, keys, is_causal, scale, has_mask ? bias : nullptr,
-            out_data + (b * queries * heads + h) * dim, heads * dim};
-        kernel(args, work.data());
-      }
-    });
-    return;
-  }
-
-  // One query per head (a decode step), or a head dim off the vector width: one item
-  // per (batch, kv head, query), the heads sharing the kv head as attend_group's group.
   const GroupKernel<scalar_t> kernel = group_kernel<scalar_t>();
   const int64_t scratch = GroupArgs<scalar_t>::work_size(group, dim, keys);
   // Enough multiply-adds per chunk (about 64K) that waking a thread costs less.
@@ -182,8 +131,18 @@ void attend_direct(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
       const int64_t length = is_causal ? std::min(i + 1, keys) : keys;
       if (has_mask) {
         for (int64_t g = 0; g < group; ++g) {
-          fill_bias(mask_bool, mask_float, m, b, kv_head * group + g, i, 1, length,
-                    bias + g * length);
+          const int64_t offset = b * m.stride(0) + (kv_head * group + g) * m.stride(1) + i * m.stride(2);
+          const int64_t step = m.stride(3);
+          float* row = bias + g * length;
+          if (bool_mask) {
+            for (int64_t j = 0; j < length; ++j) {
+              row[j] = mask_bool[offset + j * step] ? 0.0f : -std::numeric_limits<float>::infinity();
+            }
+          } else {
+            for (int64_t j = 0; j < length; ++j) {
+              row[j] = mask_float[offset + j * step];
+            }
+          }
         }
       }
       const GroupArgs<scalar_t> args{
