@@ -41,13 +41,14 @@
 namespace sizebackend {
 namespace {
 
-// The calls the direct kernel takes: per head, at most this many query-key pairs times
-// the head dim. The direct loop costs in proportion to that; ATen's flash kernel costs a
-// set-up of its own plus blocked GEMMs that pay off as the sequences grow. Measured on
-// one core (Xeon with AVX-512, 8 heads, 2026-12-07): the direct kernel took 0.30-0.86x
-// ATen's time at 12 to 8192 (e.g. 4 causal queries of 64: 0.64x; 1 query over 128 keys
-// of 64: 0.68x), about 1.0-1.3x at 8192-16384, and 1.1-1.6x beyond (16 causal queries of
-// 64: 1.56x; 4 queries over 128 keys: 1.36x).
+// The calls the direct kernel takes: per head, at most kMaxWork query-key pairs times the
+// head dim for one query per head (a decode step), half that for several. The direct
+// loop costs in proportion to that, a little more per query; ATen's flash kernel costs
+// a set-up of its own plus blocked GEMMs that pay off as the sequences grow. Measured
+// on one core (Intel Xeon with AVX-512, 8 heads, 2026-12-07, best of 7 runs each): one
+// query over 64 / 128 keys of 64: 0.60x / 0.68x ATen's time; 4 causal queries of 64:
+// 0.64-0.85x; 8 causal queries of 64: 0.74-0.97x; at the bound's edge, 4 queries over 32
+// keys of 64 (8192): 1.12x, 2 over 64: 1.05x; 16 causal queries of 64: 1.56-1.70x.
 constexpr int64_t kMaxWork = 8192;
 
 std::atomic<int64_t> direct_calls{0};
@@ -80,7 +81,7 @@ bool direct(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t pairs = is_causal && queries <= keys ? queries * (queries + 1) / 2
                         : is_causal ? keys * (keys + 1) / 2 + (queries - keys) * keys
                                     : queries * keys;
-  if (pairs * dim > kMaxWork) {
+  if (pairs * dim > (queries == 1 ? kMaxWork : kMaxWork / 2)) {
     return false;
   }
   if (mask.has_value()) {

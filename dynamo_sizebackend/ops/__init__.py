@@ -284,10 +284,11 @@ def sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = N
     """``torch.nn.functional.scaled_dot_product_attention``, same arguments and results
     (the same output layout too), with a direct CPU kernel for small calls: 4-D float32,
     bfloat16 or float16 inputs, no dropout, where ATen would run its flash kernel, and
-    per head at most 8192 query-key pairs times the head dim (a decode step over 128
-    keys of 64, 12 causal queries of 64). Everything else, and every call that needs
-    gradients, is ATen's SDPA. The backend runs it in place of the SDPA between a CPU
-    graph's pieces (``compile/cpu_sdpa.py``; ``csrc/sdpa.cpp`` says why)."""
+    per head at most 8192 query-key pairs times the head dim for one query (a decode
+    step over 128 keys of 64), 4096 for several (8 causal queries of 64). Everything
+    else, and every call that needs gradients, is ATen's SDPA. The backend runs it in
+    place of the SDPA between a CPU graph's pieces (``compile/cpu_sdpa.py``;
+    ``csrc/sdpa.cpp`` says why)."""
     return torch.ops.sizebackend.sdpa.default(query, key, value, attn_mask, dropout_p, is_causal,
                                               scale=scale, enable_gqa=enable_gqa)
 
