@@ -63,6 +63,14 @@ bool direct(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
             std::optional<double> scale, bool enable_gqa) {
   const auto dtype = q.scalar_type();
+  for (const at::Tensor* t : {&q, &k, &v}) {
+    if (t->is_nested() || t->layout() != at::kStrided) {
+      return false;
+    }
+  }
+  if (mask.has_value() && (mask->is_nested() || mask->layout() != at::kStrided)) {
+    return false;
+  }
   if (!q.device().is_cpu() || q.dim() != 4 || k.dim() != 4 || v.dim() != 4 ||
       (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf) ||
       k.scalar_type() != dtype || v.scalar_type() != dtype || dropout_p != 0.0) {

@@ -19,6 +19,7 @@ import os
 import torch
 
 from .. import ops  # noqa: F401  (registers sizebackend::sdpa)
+from .._torch import dynamo
 from .split import SplitGraph
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,20 @@ def enabled() -> bool:
     return os.environ.get("SIZEBACKEND_CPU_SDPA", "1") != "0"
 
 
+def _plain_tensors(node: torch.fx.Node) -> bool:
+    """Every tensor the call takes was traced as a dense, strided, non-nested tensor (a
+    nested or sparse SDPA stays ATen's: the op's kernel reads strides)."""
+    values = [*node.args, *node.kwargs.values()]
+    for value in values:
+        if not isinstance(value, torch.fx.Node):
+            continue
+        example = dynamo.placeholder_example(value)
+        if not isinstance(example, torch.Tensor) or example.is_nested \
+                or example.layout != torch.strided:
+            return False
+    return True
+
+
 def swap(sg: SplitGraph, graph_id: int) -> int:
     """Point ``sg``'s SDPA split ops at ``sizebackend::sdpa`` (in place); returns how
     many. Call only for a CPU graph."""
@@ -45,7 +60,8 @@ def swap(sg: SplitGraph, graph_id: int) -> int:
         sub = getattr(sg.gm, piece.name)
         changed = False
         for node in sub.graph.nodes:
-            if node.op == "call_function" and any(node.target is t for t in _SDPA):
+            if node.op == "call_function" and any(node.target is t for t in _SDPA) \
+                    and _plain_tensors(node):
                 node.target = torch.ops.sizebackend.sdpa.default
                 changed = True
                 swapped += 1

@@ -90,3 +90,23 @@ def test_real_defaults_with_inductor(real_defaults, tmp_path, built):
             reload(model, 1)
     assert direct_per_call(compiled, model, 2, seed=5) == 1
     assert direct_per_call(compiled, model, 3, seed=5) == 1
+
+
+def test_only_dense_strided_tensors_are_swapped():
+    """A call whose traced tensors are not all dense and strided (a sparse or nested
+    input, or one with no traced value) stays ATen's SDPA."""
+    from dynamo_sizebackend.compile import cpu_sdpa
+
+    def call_with(example):
+        graph = torch.fx.Graph()
+        q = graph.placeholder("q")
+        if example is not None:
+            q.meta["example_value"] = example
+        node = graph.call_function(torch._C._nn.scaled_dot_product_attention, (q, q, q))
+        graph.output(node)
+        return node
+
+    dense = torch.randn(1, 2, 3, 4)
+    assert cpu_sdpa._plain_tensors(call_with(dense))
+    assert not cpu_sdpa._plain_tensors(call_with(dense.to_sparse()))
+    assert not cpu_sdpa._plain_tensors(call_with(None))
