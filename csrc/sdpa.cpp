@@ -4,7 +4,7 @@
 // ATen's CPU flash attention is built for long sequences: blocked GEMMs over tiles of
 // 32+ queries and 512 keys, scratch buffers sized for those tiles on every call. For the
 // few tokens of a decode or small-batch step it spends most of its time on that set-up
-// (8.8 us for 4 heads of 64 over 4 tokens on one core, where the arithmetic is 16K
+// (8.8 us for 4 heads of 64 over 4 tokens on one core, where the arithmetic is 5K
 // multiply-adds). The split graph runs every attention between compiled pieces as a
 // plain op call, so the backend calls this op there instead (compile/cpu_sdpa.py): it
 // takes the calls ATen would give its flash kernel, small enough for a direct loop
