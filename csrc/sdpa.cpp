@@ -11,9 +11,9 @@
 // (kMaxWork), and hands everything else to ATen unchanged.
 //
 // What "the same" means here, so that compiled pieces downstream see no difference:
-// - the same output layout as ATen's CPU flash kernel ([B, L, H, E] in memory, returned
-//   as [B, H, L, E]); the direct kernel runs only when ATen itself would pick flash
-//   (at::_fused_sdp_choice), whose layout that is;
+// - the same output layout as ATen's CPU flash kernel (q's: empty_like(q)); the direct
+//   kernel runs only when ATen itself would pick flash (at::_fused_sdp_choice), whose
+//   layout that is (its math kernel returns a contiguous tensor);
 // - the same semantics: top-left causal mask (query i sees keys 0..i), a bool mask
 //   (true: attend) or an additive float mask broadcast to [B, H, L, S], grouped-query
 //   heads (enable_gqa: head h reads kv head h / (H / KVH)), and zeros for a query whose
@@ -114,7 +114,7 @@ void attend_direct(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   const scalar_t* q_data = q.const_data_ptr<scalar_t>();
   const scalar_t* k_data = k.const_data_ptr<scalar_t>();
   const scalar_t* v_data = v.const_data_ptr<scalar_t>();
-  scalar_t* out_data = out.mutable_data_ptr<scalar_t>();  // [B, L, H, E] dense
+  scalar_t* out_data = out.mutable_data_ptr<scalar_t>();  // rows of E dense (dense_rows(q))
 
   // The mask as bool or float, its strides those of [B, H, L, S] (0 where broadcast).
   at::Tensor m;
@@ -159,7 +159,8 @@ void attend_direct(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
           k_data + b * k.stride(0) + kv_head * k.stride(1), k.stride(2),
           v_data + b * v.stride(0) + kv_head * v.stride(1), v.stride(2),
           group, dim, length, scale, has_mask ? bias : nullptr,
-          out_data + ((b * queries + i) * heads + kv_head * group) * dim, dim};
+          out_data + b * out.stride(0) + kv_head * group * out.stride(1) + i * out.stride(2),
+          out.stride(1)};
       kernel(args, work.data());
     }
   });
@@ -173,8 +174,10 @@ at::Tensor sdpa_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     return at::scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa);
   }
   direct_calls.fetch_add(1, std::memory_order_relaxed);
-  // ATen's flash kernel's layout: [B, L, H, E] in memory.
-  at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options()).transpose(1, 2);
+  // ATen's flash kernel's layout: q's (dense strides in q's dim order, as empty_like
+  // gives them): [B, H, L, E] for a contiguous q, [B, L, H, E] in memory for heads split
+  // off a projection's output.
+  at::Tensor out = at::empty_like(q);
   // As ATen computes the default (sdp::calculate_scale): in double, then float.
   const float factor = static_cast<float>(
       scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(3))));

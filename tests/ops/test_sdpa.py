@@ -94,6 +94,28 @@ def test_direct_kernel_matches_sdpa(shape, dtype):
             assert torch.equal(got[:, :, 0], torch.zeros_like(got[:, :, 0]))
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "heads split off tokens", "tokens outermost",
+                                    "heads outermost", "a slice of a fused projection"])
+def test_output_layout_follows_atens(layout):
+    """ATen's flash kernel returns q's layout (``empty_like(q)``): contiguous for a
+    contiguous q, [B, L, H, E] in memory for heads split off a projection's output. A
+    compiled piece after the op was traced with that layout and checks it."""
+    b, h, lq, e = 3, 2, 5, 8
+    if layout == "contiguous":
+        q = torch.randn(b, h, lq, e)
+    elif layout == "heads split off tokens":
+        q = torch.randn(b, lq, h, e).transpose(1, 2)
+    elif layout == "tokens outermost":
+        q = torch.randn(lq, b, h, e).permute(1, 2, 0, 3)
+    elif layout == "heads outermost":
+        q = torch.randn(h, b, lq, e).transpose(0, 1)
+    else:
+        q = torch.randn(b, lq, 3 * h * e)[..., : h * e].view(b, lq, h, e).transpose(1, 2)
+    k = torch.randn(b, h, 7, e)
+    check(q, k, k)
+    check(q, q, q, is_causal=True)
+
+
 def test_far_apart_scores_and_nan():
     """Scores hundreds apart (the softmax must subtract the row's max: e^400 is inf in
     float) and a NaN in one key, which stays in the rows that see it."""
