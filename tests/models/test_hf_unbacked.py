@@ -17,6 +17,7 @@ import torch
 
 import dynamo_sizebackend as sb
 import dynamo_sizebackend.hf
+from dynamo_sizebackend import ops
 from dynamo_sizebackend._torch.dynamo import batch_unbacked
 
 from .test_hf_generate import NEW, OPTIONS, counting_forward, generate, prompt, tiny_llama
@@ -131,8 +132,12 @@ def test_inductor_with_the_default_options(real_defaults):
     scenario = [prompt(2, 0), prompt(1, 0)]
     expected = [generate(model, inputs, cache_implementation="static") for inputs in scenario]
     forward = sb.hf.compile_forward(model, {"compile_sizes": [1, 2], "cache_dir": None})
+    direct = ops.sdpa_counts()[0]
     s = run(model, forward, scenario, expected)
     assert sum(s.calls.values()) == forward.calls == 2 * NEW
+    # The one layer's attention, between the pieces, ran the direct SDPA kernel in
+    # every call, prefill (a mask over the static cache) and decode alike.
+    assert ops.sdpa_counts()[0] - direct == forward.calls
     assert s.calls["1"] == s.calls["2"] == NEW  # both batches on their tuned pieces
     # The prefill and the decode graph, 2 pieces each, for the general shape, 1 and 2.
     assert s.graphs == 2 and s.compiles == {"dynamic": 4, "1": 4, "2": 4}
