@@ -22,6 +22,7 @@
 // Gradients: with grad mode on and an input that requires grad, the op is ATen's SDPA
 // (its autograd formula included); otherwise the direct kernel or ATen's, below autograd.
 #include <ATen/ATen.h>
+#include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/native/transformers/sdp_utils_cpp.h>
@@ -82,7 +83,7 @@ bool direct(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       k.size(3) != dim || v.size(3) != dim || kv_heads == 0 ||
       (enable_gqa ? heads % kv_heads != 0 : heads != kv_heads) || batch * heads == 0 ||
       queries == 0 || keys == 0 || dim == 0 || !dense_rows(q) || !dense_rows(k) ||
-      !dense_rows(v) || queries > kMaxWork || keys > kMaxWork) {
+      !dense_rows(v) || queries > kMaxWork || keys > kMaxWork) {  // (pairs below can't overflow)
     return false;
   }
   // Query-key pairs per head: query i sees keys 0..i when causal.
@@ -129,7 +130,8 @@ void attend_direct(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   const GroupKernel<scalar_t> kernel = group_kernel<scalar_t>();
   const int64_t scratch = GroupArgs<scalar_t>::work_size(group, dim, keys);
   // Enough multiply-adds per chunk (about 64K) that waking a thread costs less.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, 2 * group * keys * dim));
+  const int64_t grain =
+      std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, 2 * group * keys * dim));
   at::parallel_for(0, batch * kv_heads * queries, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> work(scratch + (has_mask ? group * keys : 0));
     float* bias = work.data() + scratch;
@@ -181,11 +183,9 @@ at::Tensor sdpa_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   // As ATen computes the default (sdp::calculate_scale): in double, then float.
   const float factor = static_cast<float>(
       scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(3))));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "sizebackend::sdpa", [&] {
-    if constexpr (!std::is_same_v<scalar_t, double>) {
-      attend_direct<scalar_t>(q, k, v, mask, is_causal, factor, out);
-    }
-  });
+  AT_DISPATCH_V2(q.scalar_type(), "sizebackend::sdpa", AT_WRAP([&] {
+    attend_direct<scalar_t>(q, k, v, mask, is_causal, factor, out);
+  }), at::kFloat, at::kBFloat16, at::kHalf);
   return out;
 }
 
