@@ -42,6 +42,15 @@ def test_bench_hf_runs_every_variant_with_equal_tokens(tmp_path):
     assert result["evidence"]["sizebackend"]["graphs"] == 4
     assert result["evidence"]["sizebackend-unbacked"]["graphs"] == 2
     assert result["evidence"]["sizebackend-unbacked"]["calls"]["1"] == 2 * 3
+    # Each compiled variant's forward is a code object of its own: Dynamo's entries on
+    # it are that variant's graphs alone (on one shared code object every variant's
+    # lookup walked the others' entries, and Dynamo's record of the dims that changed
+    # carried over from one variant to the next).
+    entries = result["dynamo_entries"]
+    assert sorted(entries) == sorted(variants[1:])
+    assert entries["sizebackend"] == result["evidence"]["sizebackend"]["graphs"]
+    assert entries["sizebackend-unbacked"] == result["evidence"]["sizebackend-unbacked"]["graphs"]
+    assert all(1 <= n <= 4 for n in entries.values()), entries
     assert "sizebackend" in done.stdout and "tokens" in done.stdout
 
 
