@@ -13,8 +13,9 @@ equal options share Dynamo's cache entries on one model class). Each variant fir
 runs one ``generate()`` per batch (its *init*: every compile happens there); the run
 waits for sizebackend's package worker to finish and runs one untimed ``generate()``
 per batch in which the backend's runners load the packages it built (its steady
-state), then ``--repeat`` rounds, in each of which the variants take turns, one ``generate()`` per
-batch each (this machine's speed drifts; taking turns makes every variant see it).
+state), then ``--repeat`` rounds, in each of which the variants take turns, one
+``generate()`` per batch each (this machine's speed drifts; taking turns makes every
+variant see it).
 
 Caches are cold for every variant (fresh ``TORCHINDUCTOR_CACHE_DIR`` and
 ``SIZEBACKEND_CACHE_DIR`` unless set). Output tok/s = new tokens of all timed rounds /
@@ -179,8 +180,8 @@ def own_code(forward, tag: str):
     other variants' entries first, and a variant compiled after another starts from the
     dims that one saw change (its first batch-1 call then traces a dynamic-batch graph,
     where a user's first call traces a static one). Measured on the AMD EPYC family 25
-    (2026-12-07): sizebackend's batch 1 after stock's variant traced 11 graphs' pieces
-    at size 1 against 16 alone, and Dynamo's lookup took 504 us a call against 356."""
+    (2026-12-07): sizebackend compiled after stock's variant made 11 size-1 compiles
+    against 16 alone, and Dynamo's lookup took 504 us a call against 356."""
     f = forward.__func__
     name = f"{f.__code__.co_name}_{tag.replace('-', '_')}"
     code = f.__code__.replace(co_name=name, co_qualname=name)
@@ -276,14 +277,15 @@ def main(argv: list[str] | None = None) -> int:
         if any(name in variants for name in BACKEND):
             print(f"[sizebackend] packages stored {waited:.1f} s after the inits "
                   f"({stored.stored} built, {stored.failed} failed)", flush=True)
-        # A backend variant's first call at a size after the worker answered loads that
-        # size's packages in place of its JIT pieces (compile/swap.py): one generate() per
-        # batch, untimed, so that the rounds time what the server runs from then on.
+        # A backend variant's first call at a size after the worker answered (stored, or
+        # found present: written by another process) loads that size's packages in place
+        # of its JIT pieces (compile/swap.py): one generate() per batch, untimed, so that
+        # the rounds time what the server runs from then on.
         # Unsettled, that load fell in the first timed round: on the AMD EPYC family 25
         # (2026-12-07) batch 1's mean fell from about 230 tok/s to 112-146.
         swapped: dict[str, float] = {}
         for name in BACKEND:
-            if name in variants and stored.stored:
+            if name in variants and stored.stored + stored.present:
                 start = time.perf_counter()
                 for b in batches:
                     tokens_equal[name] &= torch.equal(variants[name].generate(inputs[b]),
