@@ -89,27 +89,47 @@ def own_folder(tmp_path, monkeypatch):
     packed_linear.runtime_min_rows.cache_clear()
 
 
-@pytest.mark.parametrize("wins, least", [
-    ((False, True, True, True, True), 2),
-    ((True, False, True, True, True), 4),  # from where oneDNN wins at every count above
-    ((True, True, True, True, True), 1),
-    ((True, True, True, True, False), None),  # loses at the most rows measured: never
-    ((False,) * 5, None),
+@pytest.mark.parametrize("ratios, least", [
+    ((1.5, 0.8, 0.8, 0.8, 0.8), 2),
+    ((0.8, 1.5, 0.8, 0.8, 0.8), 4),  # from where oneDNN does not lose above
+    ((0.8, 0.8, 0.8, 0.8, 0.8), 1),
+    ((0.8, 0.8, 0.8, 0.8, 1.5), None),  # loses at the most rows measured: never
+    ((1.5,) * 5, None),
+    # Near ties (within the margin either way) decide nothing:
+    ((1.5, 0.8, 0.8, 0.85, 0.91), 2),  # a tie at 64 rows keeps the wins below it
+    ((1.5, 0.8, 1.05, 0.8, 0.8), 2),  # as does one between wins
+    ((1.5, 0.95, 0.8, 0.8, 0.8), 4),  # a tie is not where packing starts
+    ((0.95, 1.0, 1.05, 0.95, 1.0), None),  # ties only: aten's linear stays
 ])
-def test_run_time_packing_starts_where_onednn_wins_from_there_up(own_folder, monkeypatch, wins, least):
-    answers = dict(zip(packed_linear.RUNTIME_ROWS, wins))
-    monkeypatch.setattr(packed_linear, "_runtime_wins", lambda rows, k, n: answers[rows])
+def test_run_time_packing_starts_where_onednn_wins_and_does_not_lose_above(
+        own_folder, monkeypatch, ratios, least):
+    answers = dict(zip(packed_linear.RUNTIME_ROWS, ratios))
+    monkeypatch.setattr(packed_linear, "_runtime_ratio", lambda rows, k, n: answers[rows])
     assert packed_linear.runtime_min_rows(32, 16) == least
+
+
+def test_the_two_kernels_batches_take_turns(monkeypatch):
+    """A slow stretch of the machine must fall on both kernels' timings, not on all of
+    one's: their batches alternate, and the best batch of each counts."""
+    monkeypatch.setattr(packed_linear, "BUDGET_S", 0.0)  # one call a batch
+    order = []
+    clock = iter(range(10_000))
+    monkeypatch.setattr(packed_linear.time, "perf_counter", lambda: next(clock))
+    seconds = packed_linear._paired_seconds(lambda: order.append("a"), lambda: order.append("b"))
+    timed = order[4:]  # after two calibration calls each
+    assert order[:4] == ["a", "a", "b", "b"]
+    assert timed == ["a", "b"] * packed_linear.ROUNDS
+    assert seconds == (1, 1)  # each batch read one tick of the fake clock
 
 
 def test_the_run_time_measurement_is_taken_once_per_machine(own_folder, monkeypatch):
     measured = []
 
-    def wins(rows, k, n):
+    def ratio(rows, k, n):
         measured.append(rows)
-        return rows >= 4
+        return 0.5 if rows >= 4 else 2.0
 
-    monkeypatch.setattr(packed_linear, "_runtime_wins", wins)
+    monkeypatch.setattr(packed_linear, "_runtime_ratio", ratio)
     assert packed_linear.runtime_min_rows(32, 16) == 4
     assert len(measured) == len(packed_linear.RUNTIME_ROWS)
     packed_linear.runtime_min_rows.cache_clear()  # as a new process starts
@@ -128,11 +148,11 @@ from dynamo_sizebackend._torch import packed_linear
 
 index = int(sys.argv[1])
 
-def wins(rows, k, n):  # each process would answer differently on its own
+def ratio(rows, k, n):  # each process would answer differently on its own
     time.sleep(0.05)
-    return index == 0
+    return 0.5 if index == 0 else 2.0
 
-packed_linear._runtime_wins = wins
+packed_linear._runtime_ratio = ratio
 print(packed_linear.runtime_min_rows(32, 16))
 """
 
