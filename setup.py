@@ -20,7 +20,7 @@ setup(
     packages=find_packages(exclude=("tests", "tests.*", "benchmarks")),
     python_requires=">=3.10",
     install_requires=["torch==2.13.0", "tqdm"],
-    extras_require={"test": ["pytest", "transformers"], "plot": ["matplotlib"]},
+    extras_require={"test": ["pytest", "pytest-xdist", "transformers"], "plot": ["matplotlib"]},
     ext_modules=[
         CppExtension(
             "dynamo_sizebackend._C",
