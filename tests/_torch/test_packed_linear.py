@@ -2,7 +2,8 @@
 library measured faster on this CPU (oneDNN or MKL); torch's own choice everywhere
 else. And the row count from which an unfrozen piece's linears run on weights packed
 at run time (compile/linears.py). The measurement itself is timing, so these tests fix its answer and check what
-each answer compiles to, through the backend with its real defaults."""
+each answer compiles to, through the backend with its real defaults; one leaves it to
+this CPU and checks that what was measured is what compiled."""
 import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
@@ -172,3 +173,53 @@ def test_processes_starting_together_agree(own_folder):
         assert child.returncode == 0
         answers.append(out.strip())
     assert len(set(answers)) == 1 and answers[0] in ("1", "None"), answers
+
+
+@pytest.mark.inductor
+@torch.no_grad()
+def test_real_defaults_compile_what_this_cpu_measured(real_defaults, own_folder, monkeypatch):
+    """Nothing pinned, as a user runs it: the run-time rows are timed on this CPU (the
+    two kernels in turns) and the rule's answer for those very ratios is what the general
+    piece compiles; the frozen size's GEMMs are timed too. Which answer a CPU gives is
+    its own: the test checks that the answer measured is the one used, whatever it is."""
+    ratios, timed = {}, []
+    measure = packed_linear._runtime_ratio
+
+    def spy(rows, k, n):
+        timed.append((rows, k, n))
+        ratios[rows, k, n] = measure(rows, k, n)
+        return ratios[rows, k, n]
+
+    monkeypatch.setattr(packed_linear, "_runtime_ratio", spy)
+    monkeypatch.setattr(packed_linear, "DECISIONS", type(packed_linear.DECISIONS)())
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(),
+                                torch.nn.Linear(1024, 256)).eval()
+    compiled = torch.compile(model, backend="sizebackend",
+                             options={"compile_sizes": [4], "cache_dir": None})
+    x = torch.randn(3, 256)  # not listed: the general piece runs
+    torch._dynamo.decorators.mark_unbacked(x, 0)
+    out, code = run_and_get_code(compiled, x)
+    torch.testing.assert_close(out, model(x))
+
+    shapes = [(256, 1024), (1024, 256)]  # K x N of each linear
+    assert sorted(timed) == sorted((rows, k, n) for rows in packed_linear.RUNTIME_ROWS
+                                   for k, n in shapes)
+    assert all(0 < r < float("inf") for r in ratios.values()), ratios
+    answers = {(k, n): packed_linear._least_rows([ratios[rows, k, n]
+                                                  for rows in packed_linear.RUNTIME_ROWS])
+               for k, n in shapes}
+    packed = sum(rows is not None for rows in answers.values())
+    # The size-4 piece froze its weights (no run-time packing there): the general piece's
+    # linears alone call the op, one per shape the rule packs.
+    assert "\n".join(code).count("torch.ops.sizebackend.packed_linear.default(") == packed
+    assert sum(packed_linear.DECISIONS.values()) == 2  # the frozen size's two GEMMs
+
+    packed_linear.runtime_min_rows.cache_clear()  # as a new process starts: read back
+    assert {s: packed_linear.runtime_min_rows(*s) for s in shapes} == answers
+    assert len(timed) == len(packed_linear.RUNTIME_ROWS) * len(shapes)
+    for size in (4, 5, 3):
+        y = torch.randn(size, 256)
+        torch.testing.assert_close(compiled(y), model(y))
+    assert sb.stats().compiles == {"dynamic": 1, "4": 1}
+    assert sb.stats().fallbacks == {}
