@@ -131,14 +131,13 @@ RUNTIME_ROWS = (1, 2, 4, 16, 64)
 def runtime_min_rows(k: int, n: int) -> int | None:
     """The fewest rows from which ``sizebackend::packed_linear`` (oneDNN's GEMM on a
     weight packed once) pays for a ``k x n`` float32 linear against aten's unpacked
-    ``linear``; ``None`` where it never does. The rule (:func:`_least_rows`): oneDNN wins
-    by :data:`MARGIN` at some count of :data:`RUNTIME_ROWS`, loses by no more than
-    ``1 / MARGIN`` at any count from the threshold up, and is not slower at the threshold.
-    A near tie decides nothing: a tie at 64 rows cannot cancel clear wins at 2 to 16, nor
-    a 0.85-0.93 at 2 rows move the start to 4 (measured 2026-12-07 on an AMD EPYC family
-    25, one thread: 256 x 768 ran at 0.79-0.93 / 0.81 / 0.85 of aten's time at 2 / 4 / 16
-    rows and at 0.88 to 0.93 at 64; the rule before asked for a win by the margin at
-    every count from the threshold up and answered ``None`` in 9 measurements of 10).
+    ``linear``, by :func:`_least_rows`'s rule on both kernels' times at each count of
+    :data:`RUNTIME_ROWS`; ``None`` where it never does. A near tie decides nothing there:
+    a tie at 64 rows cannot cancel clear wins at 2 to 16, nor a 0.85-0.93 at 2 rows move
+    the start to 4 (measured 2026-12-07 on an AMD EPYC family 25, one thread: 256 x 768
+    ran at 0.79-0.93 / 0.81 / 0.85 of aten's time at 2 / 4 / 16 rows and at 0.88 to 0.93
+    at 64; the rule before asked for a win by the margin at every count from the
+    threshold up and answered ``None`` in 9 measurements of 10).
 
     Measured once per machine, not per process: the answer is part of the piece's graph,
     so processes that share a cache folder must agree on it, or a server's workers
