@@ -47,6 +47,11 @@ TORCH_LIBRARY(sizebackend, m) {
   // linear(x, w, b) on a copy of w packed for oneDNN once and kept while w is unchanged
   // (csrc/packed_linear.cpp); calls of fewer than min_rows rows run aten's linear.
   m.def("packed_linear(Tensor x, Tensor w, Tensor? b, int min_rows) -> Tensor");
+  // A float32 linear weight (N x K) copied into panels of 16 output columns
+  // ([ceil(N / 16), K, 16], zero past column N), and linear(x, W, b) on such a copy with
+  // N = n (csrc/panel_linear.cpp): what a frozen piece calls where it is the faster GEMM.
+  m.def("pack_panels(Tensor w) -> Tensor");
+  m.def("panel_linear(Tensor x, Tensor packed, Tensor? b, int n) -> Tensor");
   // aten::scaled_dot_product_attention's schema and results; small CPU calls run a direct
   // kernel (csrc/sdpa.cpp), the rest ATen's op.
   m.def(

@@ -307,3 +307,16 @@ def _sdpa_fake(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | No
     # would (the C++ meta kernel would see the meta device and pick the math layout).
     return torch.ops.aten.scaled_dot_product_attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+@torch.library.register_fake("sizebackend::pack_panels")
+def _pack_panels_fake(w: Tensor) -> Tensor:
+    return w.new_empty((-(-w.shape[0] // 16), w.shape[1], 16))
+
+
+@torch.library.register_fake("sizebackend::panel_linear")
+def _panel_linear_fake(x: Tensor, packed: Tensor, b: Tensor | None, n: int) -> Tensor:
+    torch._check(x.shape[-1] == packed.shape[1], lambda: (
+        f"sizebackend::panel_linear: x has {x.shape[-1]} features, the weight takes "
+        f"{packed.shape[1]}"))
+    return x.new_empty((*x.shape[:-1], n))
