@@ -29,6 +29,9 @@ static inline void panel_tile(const float* x, int64_t ldx, const float* panels, 
   for (int64_t k = 0; k < k_len; ++k) {
     Floats16 w[P];
     for (int j = 0; j < P; ++j) {
+#ifdef SIZEBACKEND_PANEL_PREFETCH
+      __builtin_prefetch(panels + j * panel_stride + (k + SIZEBACKEND_PANEL_PREFETCH) * 16);
+#endif
       w[j] = *reinterpret_cast<const Floats16*>(panels + j * panel_stride + k * 16);
     }
     for (int i = 0; i < R; ++i) {

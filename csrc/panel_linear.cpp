@@ -43,9 +43,11 @@ namespace sizebackend::panel_avx2 {
 #pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,prefer-vector-width=512")
 #define SIZEBACKEND_TILE_ROWS 16
 #define SIZEBACKEND_WIDE_ROWS 8
+#define SIZEBACKEND_PANEL_PREFETCH 16
 namespace sizebackend::panel_avx512 {
 #include "panel_gemm.h"
 }  // namespace sizebackend::panel_avx512
+#undef SIZEBACKEND_PANEL_PREFETCH
 #undef SIZEBACKEND_TILE_ROWS
 #undef SIZEBACKEND_WIDE_ROWS
 #pragma GCC pop_options

@@ -262,13 +262,21 @@ def _install() -> None:
         return
     torch_pack_weight, torch_pack_linear = op_class.pack_linear_weight, op_class.pack_linear
     reorder = torch.ops.mkldnn._reorder_linear_weight
+    panels = torch.ops.sizebackend.pack_panels.default
 
     def pack_linear_weight(self, graph, is_lp_weight, transpose_weight_node, batch_size):
-        if PACKING.active and not is_lp_weight and _onednn_for(transpose_weight_node, batch_size):
+        kernel = _kernel_for(transpose_weight_node, batch_size) if PACKING.active and not is_lp_weight else None
+        if kernel == "panels":  # folded into a constant with the other packed weights
+            return graph.create_node("call_function", panels, args=(transpose_weight_node,))
+        if kernel == "onednn":
             return graph.create_node("call_function", reorder, args=(transpose_weight_node, batch_size))
         return torch_pack_weight(self, graph, is_lp_weight, transpose_weight_node, batch_size)
 
     def pack_linear(self, graph, is_lp_weight, batch_size, input, packed_weight_node, bias):
+        if PACKING.active and packed_weight_node.target is panels:
+            n = packed_weight_node.args[0].args[0].meta["val"].shape[1]  # permute(K x N weight)
+            return graph.create_node("call_function", torch.ops.sizebackend.panel_linear.default,
+                                     (input, packed_weight_node, bias, int(n)))
         if PACKING.active and packed_weight_node.target is reorder:  # packed for oneDNN
             return graph.create_node("call_function", torch.ops.mkldnn._linear_pointwise.default,
                                      (input, packed_weight_node, bias, "none", [], ""))
@@ -291,23 +299,85 @@ def onednn_wins(rows: Any, k: Any, n: Any, dtype: torch.dtype) -> bool | None:
         return None
 
 
-def _onednn_for(transpose_weight_node: Any, batch_size: Any) -> bool:
-    """Whether a static float32 GEMM of ``batch_size`` rows by the weight under
-    ``transpose_weight_node`` (the ``K x N`` operand of the matched ``mm``) is to be
-    packed for oneDNN where torch would take MKL (counted in :data:`DECISIONS`)."""
+def _kernel_for(transpose_weight_node: Any, batch_size: Any) -> str | None:
+    """Which packed GEMM a static float32 GEMM of ``batch_size`` rows by the weight under
+    ``transpose_weight_node`` (the ``K x N`` operand of the matched ``mm``) is to run:
+    ``"panels"`` (``sizebackend::panel_linear``) where it is measured faster than the
+    library torch's packing would otherwise call, ``"onednn"`` where torch would take
+    MKL and oneDNN is faster, ``None`` for torch's own choice (counted in
+    :data:`DECISIONS`)."""
     from torch._inductor.virtualized import V
 
-    if V.aot_compilation:  # torch packs for oneDNN there already
-        return False
     weight = transpose_weight_node.args[0] if transpose_weight_node.args else None
     value = getattr(weight, "meta", {}).get("val")
     if value is None or value.dim() != 2:
+        return None
+    k, n = (int(d) for d in value.shape)
+    if V.aot_compilation:  # torch packs for oneDNN there already
+        other = "onednn"
+    else:
+        faster = onednn_wins(batch_size, k, n, value.dtype)
+        if faster is None:  # torch's own choice: oneDNN already, or nothing to compare
+            return None
+        other = "onednn" if faster else "mkl"
+    if panels_win(batch_size, k, n, value.dtype, other):
+        DECISIONS["panels"] += 1
+        return "panels"
+    DECISIONS[other] += 1
+    return "onednn" if other == "onednn" and not V.aot_compilation else None
+
+
+def panels_enabled() -> bool:
+    return os.environ.get("SIZEBACKEND_PANEL_LINEAR", "1") != "0"
+
+
+#: Rows above which :func:`panels_win` does not time ``panel_linear`` (it has no cache
+#: blocking for many rows; 64 rows already ran at 0.86-1.02x oneDNN's time).
+PANEL_MAX_ROWS = 256
+
+
+def panels_win(rows: Any, k: int, n: int, dtype: torch.dtype, other: str) -> bool:
+    """Whether ``sizebackend::panel_linear`` runs ``rows x k`` by a ``k x n`` float32
+    weight in under :data:`MARGIN` of the time of ``other`` (``"onednn"``: oneDNN's
+    packed linear, ``"mkl"``: MKL's) on this CPU (:func:`panels_faster`); ``False``
+    where not measured (off, rows not a number or over :data:`PANEL_MAX_ROWS`, not
+    float32, a kernel that will not run)."""
+    if (not panels_enabled() or not isinstance(rows, int) or not 1 <= rows <= PANEL_MAX_ROWS
+            or dtype != torch.float32):
         return False
-    faster = onednn_wins(batch_size, *value.shape, value.dtype)
-    if faster is None:  # torch's own choice: oneDNN already, or nothing to compare
+    try:
+        return panels_faster(rows, k, n, other)
+    except Exception as e:
+        log.debug("panel linear %d x %d x %d not measured (%s)", rows, k, n, e)
         return False
-    DECISIONS["onednn" if faster else "mkl"] += 1
-    return faster
+
+
+@functools.lru_cache(maxsize=None)
+def panels_faster(rows: int, k: int, n: int, other: str) -> bool:
+    """The measurement :func:`panels_win` reads, once per shape and process."""
+    with torch.utils._python_dispatch._disable_current_modes():
+        return _panel_ratio(rows, k, n, other) < MARGIN
+
+
+def _panel_ratio(rows: int, k: int, n: int, other: str) -> float:
+    """``panel_linear``'s time over ``other``'s (random data, the process's threads)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, k, generator=generator)
+    weight = torch.randn(n, k, generator=generator)
+    bias = torch.randn(n, generator=generator)
+    with torch.no_grad():
+        packed = torch.ops.sizebackend.pack_panels(weight)
+        if other == "mkl":
+            mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+            call = lambda: torch.ops.mkl._mkl_linear(x, mkl, weight, bias, rows)  # noqa: E731
+        else:
+            onednn = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+            call = lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [], "")  # noqa: E731
+        t_other, t_panels = _paired_seconds(
+            call, lambda: torch.ops.sizebackend.panel_linear(x, packed, bias, n))
+    log.debug("linear %d x %d x %d: panels %.1f us, %s %.1f us", rows, k, n, t_panels * 1e6,
+              other, t_other * 1e6)
+    return t_panels / t_other
 
 
 PACKING = ThreadScopedHook(_install)

@@ -45,6 +45,7 @@ def _sized_code(model, cache_dir=None):
 def test_the_measured_library_is_the_one_the_sized_piece_calls(
         real_defaults, monkeypatch, tmp_path, onednn, kernel, other, store):
     monkeypatch.setattr(packed_linear, "onednn_faster", lambda rows, k, n: onednn)
+    monkeypatch.setattr(packed_linear, "panels_faster", lambda rows, k, n, other: False)
     monkeypatch.setattr(packed_linear, "DECISIONS", type(packed_linear.DECISIONS)())
     stored = sb.wait_for_packages(timeout=600).stored  # since the process started
     code = _sized_code(_mlp(), str(tmp_path) if store else None)
@@ -60,6 +61,7 @@ def test_the_measured_library_is_the_one_the_sized_piece_calls(
 @pytest.mark.inductor
 def test_switched_off_and_other_callers_keep_torchs_choice(real_defaults, monkeypatch):
     monkeypatch.setattr(packed_linear, "onednn_faster", lambda rows, k, n: True)
+    monkeypatch.setattr(packed_linear, "panels_faster", lambda rows, k, n, other: True)
     monkeypatch.setattr(packed_linear, "DECISIONS", type(packed_linear.DECISIONS)())
     model = _mlp()
     # torch.compile with Inductor's own freezing, outside the backend: MKL, as torch picks.
@@ -71,6 +73,101 @@ def test_switched_off_and_other_callers_keep_torchs_choice(real_defaults, monkey
     monkeypatch.setenv("SIZEBACKEND_PACKED_LINEAR", "torch")
     assert "mkl._mkl_linear" in _sized_code(model)
     assert packed_linear.DECISIONS == {}
+
+
+def _first_linear_only(asked):
+    def faster(rows, k, n, other):
+        asked.append((rows, k, n, other))
+        return (k, n) == (64, 128)
+    return faster
+
+
+@pytest.mark.inductor
+def test_panels_where_measured_faster(real_defaults, monkeypatch):
+    """Where ``panel_linear`` is measured faster than the library torch's packing would
+    call, the frozen piece calls it on a weight packed at compile time (a constant of the
+    piece). Each linear is timed against the library that would otherwise run: here MKL,
+    as measured faster than oneDNN."""
+    asked = []
+    monkeypatch.setattr(packed_linear, "onednn_faster", lambda rows, k, n: False)
+    monkeypatch.setattr(packed_linear, "panels_faster", _first_linear_only(asked))
+    monkeypatch.setattr(packed_linear, "DECISIONS", type(packed_linear.DECISIONS)())
+    code = _sized_code(_mlp())
+    assert code.count("torch.ops.sizebackend.panel_linear.default(") == 1
+    assert "_frozen_param" in code and "pack_panels" not in code  # packed once, at compile
+    assert "mkl._mkl_linear" in code  # the second linear: MKL, as measured
+    assert sorted(asked) == [(ROWS, 64, 128, "mkl"), (ROWS, 128, 32, "mkl")]
+    assert packed_linear.DECISIONS == {"panels": 1, "mkl": 1}
+
+
+@pytest.mark.inductor
+def test_panels_in_a_package(real_defaults, monkeypatch, tmp_path):
+    """In an AOT package (built in the process: ``store_frozen="inline"``), timed against
+    oneDNN, which torch packs for there; the package calls the op (the AOT runner's call
+    back into PyTorch), runs, and is read back by a later compile."""
+    import zipfile
+
+    asked = []
+    monkeypatch.setattr(packed_linear, "panels_faster", _first_linear_only(asked))
+    monkeypatch.setattr(packed_linear, "DECISIONS", type(packed_linear.DECISIONS)())
+    options = {"compile_sizes": [ROWS], "cache_dir": str(tmp_path), "store_frozen": "inline"}
+    x = torch.randn(ROWS, 64)
+    torch._dynamo.mark_dynamic(x, 0)
+    model = _mlp()
+    with torch.no_grad():
+        out = torch.compile(model, backend="sizebackend", options=dict(options))(x)
+    torch.testing.assert_close(out, model(x))
+    assert sorted(asked) == [(ROWS, 64, 128, "onednn"), (ROWS, 128, 32, "onednn")]
+    assert packed_linear.DECISIONS == {"panels": 1, "onednn": 1}
+    assert sb.stats().cache_misses >= 1 and sb.stats().fallbacks == {}
+    calls = []
+    for path in tmp_path.rglob("*"):
+        if path.is_file() and zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                calls += [archive.read(n).decode(errors="replace") for n in archive.namelist()
+                          if n.endswith(".json")]
+    assert sum("sizebackend::panel_linear" in c for c in calls) == 1, "no package calls the op"
+
+    torch._dynamo.reset()
+    asked.clear()
+    again = torch.compile(_mlp(), backend="sizebackend", options=dict(options))
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), model(x))
+    assert asked == [] and sb.stats().cache_hits >= 1  # read back: nothing compiled or timed
+
+
+@pytest.mark.inductor
+def test_panels_switched_off(real_defaults, monkeypatch):
+    monkeypatch.setattr(packed_linear, "onednn_faster", lambda rows, k, n: True)
+    monkeypatch.setattr(packed_linear, "panels_faster", lambda rows, k, n, other: True)
+    monkeypatch.setenv("SIZEBACKEND_PANEL_LINEAR", "0")
+    code = _sized_code(_mlp())
+    assert "panel_linear" not in code and "mkldnn._linear_pointwise" in code
+
+
+@pytest.mark.parametrize("rows, dtype, on, timed", [
+    (4, torch.float32, "1", True),
+    (packed_linear.PANEL_MAX_ROWS, torch.float32, "1", True),
+    (packed_linear.PANEL_MAX_ROWS + 1, torch.float32, "1", False),  # past the tiles' range
+    (4, torch.bfloat16, "1", False),
+    (4, torch.float32, "0", False),
+])
+def test_which_gemms_panels_are_timed_for(monkeypatch, rows, dtype, on, timed):
+    asked = []
+    monkeypatch.setattr(packed_linear, "panels_faster", lambda *a: asked.append(a) or True)
+    monkeypatch.setenv("SIZEBACKEND_PANEL_LINEAR", on)
+    assert packed_linear.panels_win(rows, 64, 32, dtype, "onednn") is timed
+    assert len(asked) == timed
+    assert packed_linear.panels_win("s0", 64, 32, dtype, "onednn") is False  # rows not a number
+
+
+def test_a_panel_measurement_is_a_real_ratio():
+    packed_linear.panels_faster.cache_clear()
+    for other in ("onednn", "mkl"):
+        ratio = packed_linear._panel_ratio(4, 64, 48, other)
+        assert 0 < ratio < float("inf")
+        assert isinstance(packed_linear.panels_faster(4, 64, 48, other), bool)
+    assert packed_linear.panels_faster.cache_info().misses == 2
 
 
 def test_a_measurement_is_taken_once_per_shape():
