@@ -193,9 +193,10 @@ def _least_rows(ratios: list[float]) -> int | None:
     return least if pays else None
 
 
-def _remembered_path(k: int, n: int) -> str | None:
-    """Where the answer for ``k x n`` on this machine is written down; ``None`` without
-    a CPU description to key it on."""
+def _remembered_path(k: int, n: int, what: str = "") -> str | None:
+    """Where the answer for ``k x n`` on this machine is written down (``what``: which
+    question, empty for :func:`runtime_min_rows`'s); ``None`` without a CPU description
+    to key it on."""
     import hashlib
 
     from .inductor import inductor_cache_dir
@@ -208,6 +209,8 @@ def _remembered_path(k: int, n: int) -> str | None:
     for part in (cpu, torch.__version__, str(torch.get_num_threads()), str(RUNTIME_ROWS),
                  str(MARGIN), RULE, str(BUDGET_S), str(ROUNDS), f"{k}x{n}"):
         h.update(b"\0" + part.encode())
+    if what:
+        h.update(b"\0" + what.encode())
     return os.path.join(inductor_cache_dir(), "sizebackend", "linear_rows", h.hexdigest())
 
 
@@ -234,17 +237,26 @@ def _machine_lock(path: str):
 
 def _read_rows(path: str) -> Any:
     """The answer written at ``path`` (an int or ``None``), or :data:`_MISSING`."""
-    try:
-        with open(path) as f:
-            value = json.load(f)["min_rows"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return _MISSING
-    return value if value is None or isinstance(value, int) else _MISSING
+    value = _read_answer(path, "min_rows")
+    return value if value is None or (isinstance(value, int) and not isinstance(value, bool)) else _MISSING
 
 
 def _write_rows(path: str, rows: int | None) -> None:
+    _write_answer(path, "min_rows", rows)
+
+
+def _read_answer(path: str, name: str) -> Any:
+    """The value written under ``name`` at ``path``, or :data:`_MISSING`."""
     try:
-        write_atomically(path, json.dumps({"min_rows": rows}))
+        with open(path) as f:
+            return json.load(f)[name]
+    except (OSError, ValueError, KeyError, TypeError):
+        return _MISSING
+
+
+def _write_answer(path: str, name: str, value: Any) -> None:
+    try:
+        write_atomically(path, json.dumps({name: value}))
     except OSError as e:
         log.debug("sizebackend: cannot write down %s (%s)", path, e)
 
@@ -320,11 +332,28 @@ def _kernel_for(transpose_weight_node: Any, batch_size: Any) -> str | None:
         if faster is None:  # torch's own choice: oneDNN already, or nothing to compare
             return None
         other = "onednn" if faster else "mkl"
-    if panels_win(batch_size, k, n, value.dtype, other):
+    if not _template_wins(batch_size, k, n) and panels_win(batch_size, k, n, value.dtype):
         DECISIONS["panels"] += 1
         return "panels"
     DECISIONS[other] += 1
     return "onednn" if other == "onednn" and not V.aot_compilation else None
+
+
+def _template_wins(rows: Any, k: int, n: int) -> bool:
+    """Whether max-autotune is on in this compile and the GEMM is one where Inductor's C++
+    GEMM template won every measurement (``autotune.decide``: a few rows by a small
+    weight). ``panel_linear`` is not one of autotune's candidates, so it is not put in
+    the template's place: measured on an AMD EPYC family 25 (2026-12-07, one thread, a
+    frozen 256 x 1024 -> 1024 x 256 MLP at a listed size), the template's pieces ran 1
+    and 2 rows in 0.84x and 0.75x the time of ``panel_linear``'s, 4 rows alike, and 8
+    rows (where autotune benchmarks both libraries) in 1.52x."""
+    from torch._inductor import config
+
+    from . import autotune
+
+    if not (config.max_autotune or config.max_autotune_gemm) or not isinstance(rows, int):
+        return False
+    return autotune.decide(rows, k * n) == "template"
 
 
 def panels_enabled() -> bool:
@@ -336,31 +365,54 @@ def panels_enabled() -> bool:
 PANEL_MAX_ROWS = 256
 
 
-def panels_win(rows: Any, k: int, n: int, dtype: torch.dtype, other: str) -> bool:
+def panels_win(rows: Any, k: int, n: int, dtype: torch.dtype) -> bool:
     """Whether ``sizebackend::panel_linear`` runs ``rows x k`` by a ``k x n`` float32
-    weight in under :data:`MARGIN` of the time of ``other`` (``"onednn"``: oneDNN's
-    packed linear, ``"mkl"``: MKL's) on this CPU (:func:`panels_faster`); ``False``
-    where not measured (off, rows not a number or over :data:`PANEL_MAX_ROWS`, not
-    float32, a kernel that will not run)."""
+    weight in under :data:`MARGIN` of the time of both libraries' packed linears on this
+    CPU (:func:`panels_faster`); ``False`` where not measured (off, rows not a number or
+    over :data:`PANEL_MAX_ROWS`, not float32, a kernel that will not run)."""
     if (not panels_enabled() or not isinstance(rows, int) or not 1 <= rows <= PANEL_MAX_ROWS
             or dtype != torch.float32):
         return False
     try:
-        return panels_faster(rows, k, n, other)
+        return panels_faster(rows, k, n)
     except Exception as e:
         log.debug("panel linear %d x %d x %d not measured (%s)", rows, k, n, e)
         return False
 
 
 @functools.lru_cache(maxsize=None)
-def panels_faster(rows: int, k: int, n: int, other: str) -> bool:
-    """The measurement :func:`panels_win` reads, once per shape and process."""
+def panels_faster(rows: int, k: int, n: int) -> bool:
+    """The measurement :func:`panels_win` reads: ``panel_linear``'s time under
+    :data:`MARGIN` of oneDNN's packed linear and of MKL's (where torch has MKL), each
+    pair timed in turns.
+
+    Against both, whichever a compile would otherwise call, so that a JIT piece (MKL or
+    oneDNN) and the package built from the same piece (oneDNN) decide alike; and once
+    per machine, like :func:`runtime_min_rows` (written down under a lock, read by the
+    other processes): a server's processes, the package worker among them, then run one
+    kernel per shape, so the JIT piece a size serves first and the package that replaces
+    it give the same bits, whichever process built what."""
+    path = _remembered_path(k, n, f"panels at {rows} rows")
+    if path is None:
+        return _measure_panels(rows, k, n)
+    with _machine_lock(path + ".lock"):
+        found = _read_answer(path, "panels")
+        if isinstance(found, bool):
+            return found
+        faster = _measure_panels(rows, k, n)
+        _write_answer(path, "panels", faster)
+        return faster
+
+
+def _measure_panels(rows: int, k: int, n: int) -> bool:
     with torch.utils._python_dispatch._disable_current_modes():
-        return _panel_ratio(rows, k, n, other) < MARGIN
+        others = ("onednn", "mkl") if torch._C.has_mkl else ("onednn",)
+        return all(_panel_ratio(rows, k, n, other) < MARGIN for other in others)
 
 
 def _panel_ratio(rows: int, k: int, n: int, other: str) -> float:
-    """``panel_linear``'s time over ``other``'s (random data, the process's threads)."""
+    """``panel_linear``'s time over ``other``'s (``"onednn"`` or ``"mkl"``: that
+    library's packed linear; random data, the process's threads)."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(rows, k, generator=generator)
     weight = torch.randn(n, k, generator=generator)

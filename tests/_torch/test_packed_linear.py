@@ -45,7 +45,7 @@ def _sized_code(model, cache_dir=None):
 def test_the_measured_library_is_the_one_the_sized_piece_calls(
         real_defaults, monkeypatch, tmp_path, onednn, kernel, other, store):
     monkeypatch.setattr(packed_linear, "onednn_faster", lambda rows, k, n: onednn)
-    monkeypatch.setattr(packed_linear, "panels_faster", lambda rows, k, n, other: False)
+    monkeypatch.setattr(packed_linear, "panels_faster", lambda rows, k, n: False)
     monkeypatch.setattr(packed_linear, "DECISIONS", type(packed_linear.DECISIONS)())
     stored = sb.wait_for_packages(timeout=600).stored  # since the process started
     code = _sized_code(_mlp(), str(tmp_path) if store else None)
@@ -61,7 +61,7 @@ def test_the_measured_library_is_the_one_the_sized_piece_calls(
 @pytest.mark.inductor
 def test_switched_off_and_other_callers_keep_torchs_choice(real_defaults, monkeypatch):
     monkeypatch.setattr(packed_linear, "onednn_faster", lambda rows, k, n: True)
-    monkeypatch.setattr(packed_linear, "panels_faster", lambda rows, k, n, other: True)
+    monkeypatch.setattr(packed_linear, "panels_faster", lambda rows, k, n: True)
     monkeypatch.setattr(packed_linear, "DECISIONS", type(packed_linear.DECISIONS)())
     model = _mlp()
     # torch.compile with Inductor's own freezing, outside the backend: MKL, as torch picks.
@@ -76,8 +76,8 @@ def test_switched_off_and_other_callers_keep_torchs_choice(real_defaults, monkey
 
 
 def _first_linear_only(asked):
-    def faster(rows, k, n, other):
-        asked.append((rows, k, n, other))
+    def faster(rows, k, n):
+        asked.append((rows, k, n))
         return (k, n) == (64, 128)
     return faster
 
@@ -96,7 +96,7 @@ def test_panels_where_measured_faster(real_defaults, monkeypatch):
     assert code.count("torch.ops.sizebackend.panel_linear.default(") == 1
     assert "_frozen_param" in code and "pack_panels" not in code  # packed once, at compile
     assert "mkl._mkl_linear" in code  # the second linear: MKL, as measured
-    assert sorted(asked) == [(ROWS, 64, 128, "mkl"), (ROWS, 128, 32, "mkl")]
+    assert sorted(asked) == [(ROWS, 64, 128), (ROWS, 128, 32)]
     assert packed_linear.DECISIONS == {"panels": 1, "mkl": 1}
 
 
@@ -117,7 +117,7 @@ def test_panels_in_a_package(real_defaults, monkeypatch, tmp_path):
     with torch.no_grad():
         out = torch.compile(model, backend="sizebackend", options=dict(options))(x)
     torch.testing.assert_close(out, model(x))
-    assert sorted(asked) == [(ROWS, 64, 128, "onednn"), (ROWS, 128, 32, "onednn")]
+    assert sorted(asked) == [(ROWS, 64, 128), (ROWS, 128, 32)]
     assert packed_linear.DECISIONS == {"panels": 1, "onednn": 1}
     assert sb.stats().cache_misses >= 1 and sb.stats().fallbacks == {}
     calls = []
@@ -139,7 +139,7 @@ def test_panels_in_a_package(real_defaults, monkeypatch, tmp_path):
 @pytest.mark.inductor
 def test_panels_switched_off(real_defaults, monkeypatch):
     monkeypatch.setattr(packed_linear, "onednn_faster", lambda rows, k, n: True)
-    monkeypatch.setattr(packed_linear, "panels_faster", lambda rows, k, n, other: True)
+    monkeypatch.setattr(packed_linear, "panels_faster", lambda rows, k, n: True)
     monkeypatch.setenv("SIZEBACKEND_PANEL_LINEAR", "0")
     code = _sized_code(_mlp())
     assert "panel_linear" not in code and "mkldnn._linear_pointwise" in code
@@ -156,18 +156,41 @@ def test_which_gemms_panels_are_timed_for(monkeypatch, rows, dtype, on, timed):
     asked = []
     monkeypatch.setattr(packed_linear, "panels_faster", lambda *a: asked.append(a) or True)
     monkeypatch.setenv("SIZEBACKEND_PANEL_LINEAR", on)
-    assert packed_linear.panels_win(rows, 64, 32, dtype, "onednn") is timed
+    assert packed_linear.panels_win(rows, 64, 32, dtype) is timed
     assert len(asked) == timed
-    assert packed_linear.panels_win("s0", 64, 32, dtype, "onednn") is False  # rows not a number
+    assert packed_linear.panels_win("s0", 64, 32, dtype) is False  # rows not a number
 
 
-def test_a_panel_measurement_is_a_real_ratio():
+def test_a_panel_measurement_is_a_real_ratio_taken_once_per_machine(own_folder, monkeypatch):
     packed_linear.panels_faster.cache_clear()
-    for other in ("onednn", "mkl"):
-        ratio = packed_linear._panel_ratio(4, 64, 48, other)
-        assert 0 < ratio < float("inf")
-        assert isinstance(packed_linear.panels_faster(4, 64, 48, other), bool)
-    assert packed_linear.panels_faster.cache_info().misses == 2
+    ratios = []
+    measure = packed_linear._panel_ratio
+
+    def spy(rows, k, n, other):
+        ratios.append((other, measure(rows, k, n, other)))
+        return ratios[-1][1]
+
+    monkeypatch.setattr(packed_linear, "_panel_ratio", spy)
+    first = packed_linear.panels_faster(4, 64, 48)
+    others = {"onednn", "mkl"} if torch._C.has_mkl else {"onednn"}
+    assert {o for o, _ in ratios} == others and all(0 < r < float("inf") for _, r in ratios)
+    assert first == all(r < packed_linear.MARGIN for _, r in ratios)
+    packed_linear.panels_faster.cache_clear()  # a new process: read back, not timed
+    assert packed_linear.panels_faster(4, 64, 48) is first and len(ratios) == len(others)
+    packed_linear.panels_faster.cache_clear()
+
+
+@pytest.mark.parametrize("autotune_on, rows, weight, template", [
+    (True, 2, (64, 128), True),  # a few rows by a small weight: the template's
+    (True, 16, (64, 128), False),  # ATen's rows: panels may take them
+    (True, 4, (512, 1024), False),  # benchmarked rows: panels may take them
+    (False, 2, (64, 128), False),  # no template without max-autotune
+])
+def test_panels_leave_the_templates_gemms_alone(autotune_on, rows, weight, template):
+    from torch._inductor import config
+
+    with config.patch(max_autotune=autotune_on, max_autotune_gemm=autotune_on):
+        assert packed_linear._template_wins(rows, *weight) is template
 
 
 def test_a_measurement_is_taken_once_per_shape():

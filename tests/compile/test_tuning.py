@@ -193,6 +193,9 @@ def test_the_default_tuning_benchmarks_no_gemm_that_measurement_decided(monkeypa
     from torch._inductor import select_algorithm
 
     monkeypatch.delenv("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS")
+    # The libraries' GEMMs as autotune sees them: panel_linear (measured faster at these
+    # 32 rows on some CPUs) would take ATen's place before autotune runs.
+    monkeypatch.setenv("SIZEBACKEND_PANEL_LINEAR", "0")
     benchmarked = []
     select_algorithm.add_feedback_saver(lambda timings, name, *rest: benchmarked.append(name))
     try:
@@ -230,6 +233,9 @@ def test_the_default_tuning_builds_8_row_candidates_with_the_precompiled_header(
     from torch._inductor import select_algorithm
 
     monkeypatch.delenv("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS")
+    # The libraries' GEMMs as autotune sees them: panel_linear (measured faster at these
+    # 32 rows on some CPUs) would take ATen's place before autotune runs.
+    monkeypatch.setenv("SIZEBACKEND_PANEL_LINEAR", "0")
     benchmarked = []
     select_algorithm.add_feedback_saver(lambda timings, name, *rest: benchmarked.append(name))
     try:
