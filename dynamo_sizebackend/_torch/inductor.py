@@ -60,7 +60,7 @@ def standalone_compile(
 @contextlib.contextmanager
 def _our_hooks(prune: bool) -> Iterator[None]:
     """Inductor as this backend's compiles run it: GEMM candidates pruned (when
-    ``prune``), frozen static GEMMs packed for the library that is faster on this CPU,
+    ``prune``), frozen static GEMMs packed for the kernel that is faster on this CPU,
     Jinja templates parsed once, benchmark candidates built with the precompiled
     header, the vector-ISA probe remembered."""
     with autotune.pruning(prune), packed_linear.measured(), templates.memoized(), \

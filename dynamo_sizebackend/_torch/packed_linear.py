@@ -23,6 +23,14 @@ torch. Other callers of Inductor in the process are not touched (a thread-scoped
 like ``_torch/autotune.py``'s). A frozen piece is never served from Inductor's FX graph
 cache (it skips graphs with frozen constants), so a choice is never read back stale.
 
+A third kernel for those static GEMMs, ours (``sizebackend::panel_linear``,
+``csrc/panel_linear.cpp``): a weight packed at compile time in panels of 16 columns and
+register tiles of a few rows, which at 1 to 32 rows runs in 0.4-0.9x oneDNN's time on
+the AMD EPYC family 25. A GEMM takes it where it is measured under :data:`MARGIN` of
+both libraries (:func:`panels_faster`, once per machine), except where max-autotune's
+C++ template wins anyway (:func:`_template_wins`). ``SIZEBACKEND_PANEL_LINEAR=0``
+switches it off alone.
+
 The same question for the pieces that are not frozen (``compile/linears.py``): from how
 many rows oneDNN's GEMM on a weight packed at run time beats aten's unpacked ``linear``
 (:func:`runtime_min_rows`). That answer is part of the piece's graph (an argument of

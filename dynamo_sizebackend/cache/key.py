@@ -40,7 +40,7 @@ import torch
 import torch.fx
 
 from .. import _torch
-from .._torch import aot_checks, distributed, fx, inductor, shape_env
+from .._torch import aot_checks, distributed, fx, inductor, packed_linear, shape_env
 
 log = logging.getLogger(__name__)
 
@@ -189,8 +189,10 @@ def _codegen() -> str:
     """Our hooks that change the code Inductor generates, with no effect on results: in
     the key so that code stored before a hook existed, or with it off, is not served as
     if built with it (a package built with ``AOTI_TORCH_CHECK`` runs its 4-row GEMM
-    template ~1.4x slower, see :mod:`.._torch.aot_checks`)."""
-    return f"aot_torch_check={aot_checks.enabled()}"
+    template ~1.4x slower, see :mod:`.._torch.aot_checks`; a piece stored before
+    ``panel_linear`` existed, or with it off, runs the libraries' slower GEMMs, see
+    :mod:`.._torch.packed_linear`)."""
+    return f"aot_torch_check={aot_checks.enabled()}, panel_linear={packed_linear.panels_enabled()}"
 
 
 def _guards(example_inputs: Sequence[Any]) -> str:

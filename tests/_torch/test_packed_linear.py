@@ -343,3 +343,50 @@ def test_real_defaults_compile_what_this_cpu_measured(real_defaults, own_folder,
         torch.testing.assert_close(compiled(y), model(y))
     assert sb.stats().compiles == {"dynamic": 1, "4": 1}
     assert sb.stats().fallbacks == {}
+
+
+@pytest.mark.inductor
+@torch.no_grad()
+@pytest.mark.parametrize("built", ["normally", "under inference_mode"])
+def test_panels_in_a_hugging_face_model_then_reloaded(real_defaults, monkeypatch, tmp_path, built):
+    """The defaults with every static GEMM on ``panel_linear`` (pinned: on its own this
+    tiny model's decode GEMMs are the C++ template's): a Llama, ``generate()`` as README
+    recipe 1 runs it, tokens equal eager's; then a new checkpoint loaded in place: the
+    frozen sizes see it and follow it. Built under ``inference_mode`` nothing is frozen
+    (counted), so nothing is packed for the panels either, and tokens still follow."""
+    pytest.importorskip("transformers")
+    from ..models.test_hf_generate import counting_forward, generate, prompt, tiny_llama
+
+    monkeypatch.setattr(packed_linear, "panels_faster", lambda rows, k, n: True)
+    monkeypatch.setattr(packed_linear, "_template_wins", lambda rows, k, n: False)
+    monkeypatch.setattr(packed_linear, "DECISIONS", type(packed_linear.DECISIONS)())
+    if built == "normally":
+        model = tiny_llama()
+    else:
+        with torch.inference_mode():
+            model = tiny_llama()
+    inputs = prompt(2, 0)
+    want = generate(model, inputs, cache_implementation="static")
+    model.forward = counting_forward(model, {"compile_sizes": [2], "cache_dir": str(tmp_path)})
+    assert torch.equal(generate(model, inputs, cache_implementation="static"), want)
+    assert sb.stats().calls.get("2", 0) >= 1
+    if built == "normally":
+        assert packed_linear.DECISIONS["panels"] >= 4  # decode's q, k, v, o, MLP, head
+        assert set(packed_linear.DECISIONS) == {"panels"}
+    else:
+        assert packed_linear.DECISIONS == {}
+        assert sb.stats().fallbacks.get("inference_tensors_not_frozen", 0) >= 1
+
+    torch.manual_seed(1)
+    fresh = {k: torch.randn_like(v) * 0.02 for k, v in model.state_dict().items()}
+    reference = tiny_llama()
+    reference.load_state_dict(fresh)
+    if built == "normally":
+        model.load_state_dict(fresh)
+    else:
+        with torch.inference_mode():
+            model.load_state_dict(fresh)
+    want = generate(reference, inputs, cache_implementation="static")
+    assert torch.equal(generate(model, inputs, cache_implementation="static"), want)
+    if built == "normally":
+        assert sb.stats().fallbacks.get("frozen_weights", 0) >= 1

@@ -87,6 +87,10 @@ def test_identical_layers_share_a_key_and_nothing_else_does(monkeypatch):
     with monkeypatch.context() as patch:
         patch.setenv("SIZEBACKEND_AOT_TORCH_CHECK", "0")
         assert piece_key(gm, inputs, size, "opts") != key
+    # So is code built without panel_linear in place of the libraries' GEMMs.
+    with monkeypatch.context() as patch:
+        patch.setenv("SIZEBACKEND_PANEL_LINEAR", "0")
+        assert piece_key(gm, inputs, size, "opts") != key
     assert piece_key(gm, inputs, size, "opts") == key
     monkeypatch.setattr(_torch, "TORCH_VERSION", "0.0.0+elsewhere")
     assert piece_key(gm, inputs, size, "opts") != key
