@@ -105,30 +105,51 @@ def onednn_faster(rows: int, k: int, n: int) -> bool:
 
 
 def _measure(rows: int, k: int, n: int) -> bool:
-    def mkl(x, weight, bias):
-        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
-        return lambda: torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
-
-    return _onednn_ratio(rows, k, n, "MKL packed", mkl) < MARGIN
+    return _ratio(rows, k, n, "onednn", "mkl") < MARGIN
 
 
-def _onednn_ratio(rows: int, k: int, n: int, what: str,
-                  other: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Callable[[], Any]]
-                  ) -> float:
-    """oneDNN's time on a packed ``k x n`` float32 weight at ``rows`` rows over the time
-    of ``other(x, weight, bias)``'s call (random data, the process's threads)."""
+#: How :func:`_ratio` calls each kernel on ``(x, weight, bias, rows)``, the weight N x K
+#: (what the packing ops take); each returns the zero-argument call to time.
+def _onednn_call(x, weight, bias, rows):
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+    return lambda: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _mkl_call(x, weight, bias, rows):
+    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+    return lambda: torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
+
+
+def _aten_call(x, weight, bias, rows):
+    return lambda: torch.nn.functional.linear(x, weight, bias)
+
+
+def _panels_call(x, weight, bias, rows):
+    packed, n = torch.ops.sizebackend.pack_panels(weight), weight.shape[0]
+    return lambda: torch.ops.sizebackend.panel_linear(x, packed, bias, n)
+
+
+_KERNELS = {
+    "onednn": ("oneDNN packed", _onednn_call),
+    "mkl": ("MKL packed", _mkl_call),
+    "aten": ("aten unpacked", _aten_call),
+    "panels": ("panel_linear", _panels_call),
+}
+
+
+def _ratio(rows: int, k: int, n: int, kernel: str, other: str) -> float:
+    """``kernel``'s time over ``other``'s (names of :data:`_KERNELS`) for ``rows x k`` by
+    a ``k x n`` float32 weight (random data, the process's threads; timed in turns)."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(rows, k, generator=generator)
-    weight = torch.randn(n, k, generator=generator)  # what the packing ops take: N x K
+    weight = torch.randn(n, k, generator=generator)
     bias = torch.randn(n, generator=generator)
     with torch.no_grad():
-        onednn = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
-        t_other, t_onednn = _paired_seconds(
-            other(x, weight, bias),
-            lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [], ""))
-    log.debug("linear %d x %d x %d: oneDNN packed %.1f us, %s %.1f us", rows, k, n,
-              t_onednn * 1e6, what, t_other * 1e6)
-    return t_onednn / t_other
+        t_other, t_kernel = _paired_seconds(_KERNELS[other][1](x, weight, bias, rows),
+                                            _KERNELS[kernel][1](x, weight, bias, rows))
+    log.debug("linear %d x %d x %d: %s %.1f us, %s %.1f us", rows, k, n, _KERNELS[kernel][0],
+              t_kernel * 1e6, _KERNELS[other][0], t_other * 1e6)
+    return t_kernel / t_other
 
 
 #: Row counts at which :func:`runtime_min_rows` times a weight shape.
@@ -270,8 +291,7 @@ def _write_answer(path: str, name: str, value: Any) -> None:
 
 
 def _runtime_ratio(rows: int, k: int, n: int) -> float:
-    return _onednn_ratio(rows, k, n, "aten unpacked",
-                         lambda x, weight, bias: lambda: torch.nn.functional.linear(x, weight, bias))
+    return _ratio(rows, k, n, "onednn", "aten")
 
 
 def _install() -> None:
@@ -420,24 +440,8 @@ def _measure_panels(rows: int, k: int, n: int) -> bool:
 
 def _panel_ratio(rows: int, k: int, n: int, other: str) -> float:
     """``panel_linear``'s time over ``other``'s (``"onednn"`` or ``"mkl"``: that
-    library's packed linear; random data, the process's threads)."""
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, k, generator=generator)
-    weight = torch.randn(n, k, generator=generator)
-    bias = torch.randn(n, generator=generator)
-    with torch.no_grad():
-        packed = torch.ops.sizebackend.pack_panels(weight)
-        if other == "mkl":
-            mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
-            call = lambda: torch.ops.mkl._mkl_linear(x, mkl, weight, bias, rows)  # noqa: E731
-        else:
-            onednn = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
-            call = lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [], "")  # noqa: E731
-        t_other, t_panels = _paired_seconds(
-            call, lambda: torch.ops.sizebackend.panel_linear(x, packed, bias, n))
-    log.debug("linear %d x %d x %d: panels %.1f us, %s %.1f us", rows, k, n, t_panels * 1e6,
-              other, t_other * 1e6)
-    return t_panels / t_other
+    library's packed linear)."""
+    return _ratio(rows, k, n, "panels", other)
 
 
 PACKING = ThreadScopedHook(_install)
