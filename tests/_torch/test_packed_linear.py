@@ -334,6 +334,11 @@ def test_real_defaults_compile_what_this_cpu_measured(real_defaults, own_folder,
     # linears alone call the op, one per shape the rule packs.
     assert "\n".join(code).count("torch.ops.sizebackend.packed_linear.default(") == packed
     assert sum(packed_linear.DECISIONS.values()) == 2  # the frozen size's two GEMMs
+    # Each of them runs panel_linear exactly where this machine measured it faster (4
+    # rows by these weights is not the C++ template's, so the panels were timed).
+    panels = sum(packed_linear.panels_faster(4, k, n) for k, n in shapes)
+    assert packed_linear.DECISIONS["panels"] == panels
+    assert "\n".join(code).count("torch.ops.sizebackend.panel_linear.default(") == panels
 
     packed_linear.runtime_min_rows.cache_clear()  # as a new process starts: read back
     assert {s: packed_linear.runtime_min_rows(*s) for s in shapes} == answers
