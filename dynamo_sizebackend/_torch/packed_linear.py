@@ -26,7 +26,7 @@ cache (it skips graphs with frozen constants), so a choice is never read back st
 A third kernel for those static GEMMs, ours (``sizebackend::panel_linear``,
 ``csrc/panel_linear.cpp``): a weight packed at compile time in panels of 16 columns and
 register tiles of a few rows, which at 1 to 32 rows runs in 0.4-0.9x oneDNN's time on
-the AMD EPYC family 25. A GEMM takes it where it is measured under :data:`MARGIN` of
+the AMD EPYC family 25. A GEMM takes it where it is measured under :data:`PANEL_MARGIN` of
 both libraries (:func:`panels_faster`, once per machine), except where max-autotune's
 C++ template wins anyway (:func:`_template_wins`). ``SIZEBACKEND_PANEL_LINEAR=0``
 switches it off alone.
@@ -58,6 +58,10 @@ log = logging.getLogger(__name__)
 #: oneDNN is taken where it runs in less than this share of MKL's time: a near tie
 #: keeps torch's choice, so timing noise cannot flip a decision from run to run.
 MARGIN = 0.9
+#: ``panel_linear`` is taken where it runs in less than this share of both libraries'
+#: time. Nearer 1 than :data:`MARGIN`: the answer is written down once per machine, so
+#: noise cannot flip it from run to run, and where it ties the choice costs little.
+PANEL_MARGIN = 0.95
 #: Seconds of calls per kernel and shape in one batch when timing.
 BUDGET_S = 0.005
 #: Batches per kernel and shape; the best one counts.
@@ -236,7 +240,7 @@ def _remembered_path(k: int, n: int, what: str = "") -> str | None:
         return None
     h = hashlib.sha256()
     for part in (cpu, torch.__version__, str(torch.get_num_threads()), str(RUNTIME_ROWS),
-                 str(MARGIN), RULE, str(BUDGET_S), str(ROUNDS), f"{k}x{n}"):
+                 str(MARGIN), str(PANEL_MARGIN), RULE, str(BUDGET_S), str(ROUNDS), f"{k}x{n}"):
         h.update(b"\0" + part.encode())
     if what:
         h.update(b"\0" + what.encode())
@@ -353,18 +357,19 @@ def _kernel_for(transpose_weight_node: Any, batch_size: Any) -> str | None:
     if value is None or value.dim() != 2:
         return None
     k, n = (int(d) for d in value.shape)
-    if V.aot_compilation:  # torch packs for oneDNN there already
-        other = "onednn"
-    else:
-        faster = onednn_wins(batch_size, k, n, value.dtype)
-        if faster is None:  # torch's own choice: oneDNN already, or nothing to compare
-            return None
-        other = "onednn" if faster else "mkl"
+    # The panels first, alike in a JIT compile and a package's: measured against both
+    # libraries, so neither's answer (nor whether torch has MKL) changes the choice.
     if not _template_wins(batch_size, k, n) and panels_win(batch_size, k, n, value.dtype):
         DECISIONS["panels"] += 1
         return "panels"
-    DECISIONS[other] += 1
-    return "onednn" if other == "onednn" and not V.aot_compilation else None
+    if V.aot_compilation:  # torch packs for oneDNN there already
+        DECISIONS["onednn"] += 1
+        return None
+    faster = onednn_wins(batch_size, k, n, value.dtype)
+    if faster is None:  # torch's own choice: oneDNN already, or nothing to compare
+        return None
+    DECISIONS["onednn" if faster else "mkl"] += 1
+    return "onednn" if faster else None
 
 
 def _template_wins(rows: Any, k: int, n: int) -> bool:
@@ -395,7 +400,7 @@ PANEL_MAX_ROWS = 256
 
 def panels_win(rows: Any, k: int, n: int, dtype: torch.dtype) -> bool:
     """Whether ``sizebackend::panel_linear`` runs ``rows x k`` by a ``k x n`` float32
-    weight in under :data:`MARGIN` of the time of both libraries' packed linears on this
+    weight in under :data:`PANEL_MARGIN` of the time of both libraries' packed linears on this
     CPU (:func:`panels_faster`); ``False`` where not measured (off, rows not a number or
     over :data:`PANEL_MAX_ROWS`, not float32, a kernel that will not run)."""
     if (not panels_enabled() or not isinstance(rows, int) or not 1 <= rows <= PANEL_MAX_ROWS
@@ -411,7 +416,7 @@ def panels_win(rows: Any, k: int, n: int, dtype: torch.dtype) -> bool:
 @functools.lru_cache(maxsize=None)
 def panels_faster(rows: int, k: int, n: int) -> bool:
     """The measurement :func:`panels_win` reads: ``panel_linear``'s time under
-    :data:`MARGIN` of oneDNN's packed linear and of MKL's (where torch has MKL), each
+    :data:`PANEL_MARGIN` of oneDNN's packed linear and of MKL's (where torch has MKL), each
     pair timed in turns.
 
     Against both, whichever a compile would otherwise call, so that a JIT piece (MKL or
@@ -435,7 +440,7 @@ def panels_faster(rows: int, k: int, n: int) -> bool:
 def _measure_panels(rows: int, k: int, n: int) -> bool:
     with torch.utils._python_dispatch._disable_current_modes():
         others = ("onednn", "mkl") if torch._C.has_mkl else ("onednn",)
-        return all(_panel_ratio(rows, k, n, other) < MARGIN for other in others)
+        return all(_panel_ratio(rows, k, n, other) < PANEL_MARGIN for other in others)
 
 
 def _panel_ratio(rows: int, k: int, n: int, other: str) -> float:

@@ -88,8 +88,9 @@ def test_panels_where_measured_faster(real_defaults, monkeypatch):
     call, the frozen piece calls it on a weight packed at compile time (a constant of the
     piece). Each linear is timed against the library that would otherwise run: here MKL,
     as measured faster than oneDNN."""
-    asked = []
-    monkeypatch.setattr(packed_linear, "onednn_faster", lambda rows, k, n: False)
+    asked, libraries = [], []
+    monkeypatch.setattr(packed_linear, "onednn_faster",
+                        lambda rows, k, n: libraries.append((rows, k, n)) or False)
     monkeypatch.setattr(packed_linear, "panels_faster", _first_linear_only(asked))
     monkeypatch.setattr(packed_linear, "DECISIONS", type(packed_linear.DECISIONS)())
     code = _sized_code(_mlp())
@@ -97,7 +98,22 @@ def test_panels_where_measured_faster(real_defaults, monkeypatch):
     assert "_frozen_param" in code and "pack_panels" not in code  # packed once, at compile
     assert "mkl._mkl_linear" in code  # the second linear: MKL, as measured
     assert sorted(asked) == [(ROWS, 64, 128), (ROWS, 128, 32)]
+    # The panels are asked first: the libraries are compared only where they lost.
+    assert libraries == [(ROWS, 128, 32)]
     assert packed_linear.DECISIONS == {"panels": 1, "mkl": 1}
+
+
+@pytest.mark.inductor
+def test_panels_without_a_library_comparison(real_defaults, monkeypatch):
+    """Where oneDNN and MKL are not compared (a torch without MKL: ``onednn_wins`` has no
+    answer), a JIT piece still takes the panels where they were measured faster, as the
+    package built from it does: the two run one kernel per shape."""
+    monkeypatch.setattr(packed_linear, "onednn_wins", lambda rows, k, n, dtype: None)
+    monkeypatch.setattr(packed_linear, "panels_faster", _first_linear_only([]))
+    monkeypatch.setattr(packed_linear, "DECISIONS", type(packed_linear.DECISIONS)())
+    code = _sized_code(_mlp())
+    assert code.count("torch.ops.sizebackend.panel_linear.default(") == 1
+    assert packed_linear.DECISIONS == {"panels": 1}  # the other linear: torch's own choice
 
 
 @pytest.mark.inductor
@@ -174,7 +190,7 @@ def test_a_panel_measurement_is_a_real_ratio_taken_once_per_machine(own_folder, 
     first = packed_linear.panels_faster(4, 64, 48)
     others = {"onednn", "mkl"} if torch._C.has_mkl else {"onednn"}
     assert {o for o, _ in ratios} == others and all(0 < r < float("inf") for _, r in ratios)
-    assert first == all(r < packed_linear.MARGIN for _, r in ratios)
+    assert first == all(r < packed_linear.PANEL_MARGIN for _, r in ratios)
     packed_linear.panels_faster.cache_clear()  # a new process: read back, not timed
     assert packed_linear.panels_faster(4, 64, 48) is first and len(ratios) == len(others)
     packed_linear.panels_faster.cache_clear()
