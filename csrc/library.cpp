@@ -45,8 +45,9 @@ TORCH_LIBRARY(sizebackend, m) {
   // result has a storage of its own, so to the dispatcher it aliases nothing.
   m.def("weak_ref(Tensor t) -> Tensor");
   // linear(x, w, b) on a copy of w packed for oneDNN once and kept while w is unchanged
-  // (csrc/packed_linear.cpp); calls of fewer than min_rows rows run aten's linear.
-  m.def("packed_linear(Tensor x, Tensor w, Tensor? b, int min_rows) -> Tensor");
+  // (csrc/packed_linear.cpp); calls of fewer than min_rows rows run aten's linear, calls
+  // of 1 to panel_rows rows panel_linear on a copy packed in panels.
+  m.def("packed_linear(Tensor x, Tensor w, Tensor? b, int min_rows, int panel_rows=0) -> Tensor");
   // A float32 linear weight (N x K) copied into panels of 16 output columns
   // ([ceil(N / 16), K, 16], zero past column N), and linear(x, W, b) on such a copy with
   // N = n (csrc/panel_linear.cpp): what a frozen piece calls where it is the faster GEMM.

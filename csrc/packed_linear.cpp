@@ -16,10 +16,15 @@
 // a view) bumps the version: the next call packs again. A write through `w.data` is not
 // seen (`.data` has a counter of its own): `weights_updated()` empties the cache for it.
 //
+// Calls of 1 to `panel_rows` rows run sizebackend::panel_linear (csrc/panel_linear.cpp)
+// on a second copy, packed in panels by sizebackend::pack_panels, kept under the same
+// check: the caller measured that kernel faster than what would otherwise run at those
+// rows (dynamo_sizebackend/_torch/packed_linear.py, `runtime_panel_rows`).
+//
 // Calls that do not fit run aten's `linear` unchanged: fewer rows than `min_rows` (the
-// caller's measurement of where oneDNN stops winning), a dtype other than float32, an
-// inference tensor (no version counter, so a write could never be seen), a weight that
-// is not 2-D, a torch without oneDNN.
+// caller's measurement of where oneDNN stops winning) and more than `panel_rows`, a
+// dtype other than float32, an inference tensor (no version counter, so a write could
+// never be seen), a weight that is not 2-D, a torch without oneDNN (for its copy).
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -41,7 +46,8 @@ struct Packed {
   c10::weak_intrusive_ptr<c10::TensorImpl> weight;  // keeps the address ours, not the data
   TensorState state;
   std::vector<int64_t> sizes, strides;
-  at::Tensor packed;
+  at::Tensor packed;  // oneDNN's copy, or undefined until a call needs it
+  at::Tensor panels;  // pack_panels' copy, or undefined until a call needs it
 };
 
 struct Cache {
@@ -79,40 +85,51 @@ at::Tensor linear_pointwise(
   return op.call(x, packed, b, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
 }
 
-// The packed copy of `w` (packed now if there is none or `w` changed since).
-at::Tensor packed_weight(const at::Tensor& w, int64_t rows) {
+at::Tensor pack_panels(const at::Tensor& w) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("sizebackend::pack_panels", "")
+                             .typed<at::Tensor(const at::Tensor&)>();
+  return op.call(w);
+}
+
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
+                        const std::optional<at::Tensor>& b, int64_t n) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("sizebackend::panel_linear", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                               const std::optional<at::Tensor>&, int64_t)>();
+  return op.call(x, panels, b, n);
+}
+
+// The packed copy of `w` of the kind asked (oneDNN's, or the panels with `panels`),
+// packed now if there is none or `w` changed since (which drops both kinds).
+at::Tensor packed_weight(const at::Tensor& w, int64_t rows, bool panels) {
   Cache& c = cache();
   std::lock_guard<std::mutex> lock(c.mutex);
   const c10::TensorImpl* key = w.unsafeGetTensorImpl();
   auto found = c.entries.find(key);
-  if (found != c.entries.end() && current(found->second, w)) {
-    return found->second.packed;
-  }
-  const bool known = found != c.entries.end();
-  if (!known) {  // a new weight: drop the entries of dead ones first
-    for (auto it = c.entries.begin(); it != c.entries.end();) {
-      it = it->second.weight.expired() ? c.entries.erase(it) : std::next(it);
+  if (found == c.entries.end() || !current(found->second, w)) {
+    if (found == c.entries.end()) {  // a new weight: drop the entries of dead ones first
+      for (auto it = c.entries.begin(); it != c.entries.end();) {
+        it = it->second.weight.expired() ? c.entries.erase(it) : std::next(it);
+      }
     }
+    Packed entry{
+        c10::weak_intrusive_ptr<c10::TensorImpl>(w.getIntrusivePtr()), TensorState::of(w),
+        w.sizes().vec(), w.strides().vec(), at::Tensor(), at::Tensor()};
+    found = c.entries.insert_or_assign(key, std::move(entry)).first;
   }
-  at::Tensor packed;
-  {
+  at::Tensor& copy = panels ? found->second.panels : found->second.packed;
+  if (!copy.defined()) {
     at::NoGradGuard no_grad;
-    packed = reorder(w, rows);
+    copy = panels ? pack_panels(w) : reorder(w, rows);
+    ++c.packs;
   }
-  ++c.packs;
-  Packed entry{
-      c10::weak_intrusive_ptr<c10::TensorImpl>(w.getIntrusivePtr()), TensorState::of(w),
-      w.sizes().vec(), w.strides().vec(), packed};
-  if (known) {
-    found->second = std::move(entry);
-  } else {
-    c.entries.emplace(key, std::move(entry));
-  }
-  return packed;
+  return copy;
 }
 
 bool fits(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
-  if (!at::hasMKLDNN() || x.scalar_type() != at::kFloat || w.scalar_type() != at::kFloat ||
+  if (x.scalar_type() != at::kFloat || w.scalar_type() != at::kFloat ||
       w.dim() != 2 || x.dim() < 1 || w.is_inference() || x.layout() != at::kStrided ||
       w.layout() != at::kStrided || x.size(-1) != w.size(1)) {
     return false;
@@ -126,12 +143,17 @@ bool fits(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tens
 
 at::Tensor packed_linear(
     const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
-    int64_t min_rows) {
+    int64_t min_rows, int64_t panel_rows) {
   const int64_t rows = x.dim() >= 1 && x.size(-1) > 0 ? x.numel() / x.size(-1) : 0;
-  if (rows < std::max<int64_t>(min_rows, 1) || !fits(x, w, b)) {
+  const bool panels = rows >= 1 && rows <= panel_rows;
+  const bool onednn = !panels && rows >= std::max<int64_t>(min_rows, 1) && at::hasMKLDNN();
+  if (!(panels || onednn) || !fits(x, w, b)) {
     return at::linear(x, w, b);
   }
-  const at::Tensor packed = packed_weight(w, rows);
+  const at::Tensor packed = packed_weight(w, rows, panels);
+  if (panels) {
+    return panel_linear(x, packed, b, w.size(0));
+  }
   std::optional<at::Tensor> bias;
   if (b.has_value() && b->defined()) {
     bias = b->contiguous();
@@ -143,7 +165,7 @@ at::Tensor packed_linear(
 // other call goes on to the kernel of its device (CPU above, the fake one when traced).
 at::Tensor packed_linear_autograd(
     const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
-    int64_t min_rows) {
+    int64_t min_rows, int64_t panel_rows) {
   const bool needs_grad = at::GradMode::is_enabled() &&
       (x.requires_grad() || w.requires_grad() || (b.has_value() && b->requires_grad()));
   if (needs_grad) {
@@ -153,9 +175,9 @@ at::Tensor packed_linear_autograd(
                              .findSchemaOrThrow("sizebackend::packed_linear", "")
                              .typed<at::Tensor(
                                  const at::Tensor&, const at::Tensor&,
-                                 const std::optional<at::Tensor>&, int64_t)>();
+                                 const std::optional<at::Tensor>&, int64_t, int64_t)>();
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return op.call(x, w, b, min_rows);
+  return op.call(x, w, b, min_rows, panel_rows);
 }
 
 }  // namespace
@@ -169,8 +191,9 @@ int64_t clear_packed_linears() {
   return n;
 }
 
-// (packed copies held now, weights packed since the process started). A copy of a
-// weight that died is held until the next weight is packed.
+// (weights with packed copies held now, copies packed since the process started: a
+// weight packed both ways counts twice there). A copy of a weight that died is held
+// until the next weight is packed.
 std::pair<int64_t, int64_t> packed_linear_counts() {
   Cache& c = cache();
   std::lock_guard<std::mutex> lock(c.mutex);

@@ -298,6 +298,44 @@ def _runtime_ratio(rows: int, k: int, n: int) -> float:
     return _ratio(rows, k, n, "onednn", "aten")
 
 
+def runtime_panel_rows(k: int, n: int) -> int:
+    """Up to how many rows ``sizebackend::packed_linear`` runs a ``k x n`` float32 linear
+    with ``panel_linear`` (on a copy packed in panels at run time) rather than what it
+    would run otherwise (oneDNN from :func:`runtime_min_rows` rows, aten's ``linear``
+    below): the largest count of :data:`RUNTIME_ROWS` up to which the panels take under
+    :data:`PANEL_MARGIN` of the other kernel's time at every count, 0 where they do not
+    at 1 row or are switched off (``SIZEBACKEND_PANEL_LINEAR=0``). Measured once per
+    machine and written down as :func:`runtime_min_rows` is, for the same reason: the
+    answer is part of the piece's graph."""
+    return _panel_rows(k, n) if panels_enabled() else 0
+
+
+@functools.lru_cache(maxsize=None)
+def _panel_rows(k: int, n: int) -> int:
+    min_rows = runtime_min_rows(k, n)
+    path = _remembered_path(k, n, f"panel rows, oneDNN from {min_rows}")
+    if path is None:
+        return _measure_panel_rows(k, n, min_rows)
+    with _machine_lock(path + ".lock"):
+        found = _read_answer(path, "panel_rows")
+        if isinstance(found, int) and not isinstance(found, bool) and found >= 0:
+            return found
+        rows = _measure_panel_rows(k, n, min_rows)
+        _write_answer(path, "panel_rows", rows)
+        return rows
+
+
+def _measure_panel_rows(k: int, n: int, min_rows: int | None) -> int:
+    most = 0
+    with torch.utils._python_dispatch._disable_current_modes():
+        for rows in RUNTIME_ROWS:
+            other = "onednn" if min_rows is not None and rows >= min_rows else "aten"
+            if _ratio(rows, k, n, "panels", other) >= PANEL_MARGIN:
+                break
+            most = rows
+    return most
+
+
 def _install() -> None:
     from torch._inductor.fx_passes import mkldnn_fusion
 

@@ -51,18 +51,25 @@ def piece_inputs_of(split_gm: torch.fx.GraphModule, name: str, names: Iterable[s
     }
 
 
+#: ``min_rows`` of a linear whose oneDNN copy never pays (the panels' alone do).
+NEVER = 1 << 62
+
+
 def pack(
     piece: torch.fx.GraphModule,
     weights: set[str],
     min_rows: Callable[[int, int], int | None] | None = None,
+    panel_rows: Callable[[int, int], int] | None = None,
 ) -> tuple[torch.fx.GraphModule, int]:
     """A copy of ``piece`` whose linears on the placeholders ``weights`` call
     ``sizebackend::packed_linear`` where ``min_rows(K, N)`` gives a row count (default:
-    :func:`.._torch.packed_linear.runtime_min_rows`), and how many it rewrote; ``piece``
-    itself when none (it is never mutated)."""
+    :func:`.._torch.packed_linear.runtime_min_rows`) or ``panel_rows(K, N)`` a positive
+    one (default: :func:`.._torch.packed_linear.runtime_panel_rows`), and how many it
+    rewrote; ``piece`` itself when none (it is never mutated)."""
     if not weights or not packed_linear.enabled():
         return piece, 0
     min_rows = min_rows or packed_linear.runtime_min_rows
+    panel_rows = panel_rows or packed_linear.runtime_panel_rows
     plans = []
     for node in piece.graph.nodes:
         found = _linear(node, weights)
@@ -71,19 +78,21 @@ def pack(
         n, k = _example(found[1]).shape
         try:
             rows = min_rows(int(k), int(n))
+            panels = panel_rows(int(k), int(n))
         except Exception as e:  # a kernel that will not run here: aten's linear stays
             log.debug("linear %s x %s not measured (%s): left to aten", k, n, e)
-            rows = None
-        if rows is not None:
-            plans.append((node, found, rows))
+            rows, panels = None, 0
+        if rows is not None or panels > 0:
+            plans.append((node, found, NEVER if rows is None else rows, panels))
     if not plans:
         return piece, 0
     graph = torch.fx.Graph()
     copies: dict[torch.fx.Node, torch.fx.Node] = {}
     graph.output(graph.graph_copy(piece.graph, copies))
-    for node, (x, w, b), rows in plans:
+    for node, (x, w, b), rows, panels in plans:
         copy = copies[node]
-        args = (copies[x], copies[w], copies[b] if isinstance(b, torch.fx.Node) else None, rows)
+        args = (copies[x], copies[w], copies[b] if isinstance(b, torch.fx.Node) else None, rows,
+                panels)
         with graph.inserting_before(copy):
             packed = graph.call_function(torch.ops.sizebackend.packed_linear.default, args)
         packed.meta = dict(copy.meta)
@@ -126,6 +135,6 @@ def _example(node: Any) -> torch.Tensor | None:
 def log_packed(graph_id: int, key: str, count: int) -> None:
     if count:
         log.info("sizebackend: graph %d: %d linears of the %s pieces run on weights packed "
-                 "for oneDNN at run time (measured faster on this CPU than aten's GEMM)",
-                 graph_id, count, key)
+                 "at run time for oneDNN or panel_linear, over the rows where each was "
+                 "measured faster on this CPU than aten's GEMM", graph_id, count, key)
 

@@ -259,20 +259,24 @@ def has_weak_ref() -> bool:
     return hasattr(torch.ops.sizebackend, "weak_ref")
 
 
-def packed_linear(x: Tensor, w: Tensor, b: Tensor | None = None, min_rows: int = 2) -> Tensor:
+def packed_linear(x: Tensor, w: Tensor, b: Tensor | None = None, min_rows: int = 2,
+                  panel_rows: int = 0) -> Tensor:
     """``torch.nn.functional.linear(x, w, b)``, computed on a copy of ``w`` packed for
-    oneDNN's GEMM when ``x`` has at least ``min_rows`` rows (all dims but the last) and
-    everything is float32 on the CPU; aten's ``linear`` otherwise, and wherever gradients
-    are needed. The copy is made at the first such call and kept, process-wide, while
-    ``w`` is the same tensor with the same storage and version counter: an in-place
-    write packs it again at the next call. A write through ``w.data`` is not seen; after
-    one, :func:`dynamo_sizebackend.weights_updated` drops every copy
+    oneDNN's GEMM when ``x`` has at least ``min_rows`` rows (all dims but the last), or
+    by ``sizebackend::panel_linear`` on a copy packed in panels when it has 1 to ``panel_rows``
+    rows (that kernel wins over ``min_rows``), and everything is float32 on the CPU;
+    aten's ``linear`` otherwise, and wherever gradients are needed. A copy is made at the
+    first call that needs it and kept, process-wide, while ``w`` is the same tensor with
+    the same storage and version counter: an in-place write packs it again at the next
+    call. A write through ``w.data`` is not seen; after one,
+    :func:`dynamo_sizebackend.weights_updated` drops every copy
     (``csrc/packed_linear.cpp``; ``compile/linears.py`` says where the backend uses it)."""
-    return torch.ops.sizebackend.packed_linear.default(x, w, b, min_rows)
+    return torch.ops.sizebackend.packed_linear.default(x, w, b, min_rows, panel_rows)
 
 
 @torch.library.register_fake("sizebackend::packed_linear")
-def _packed_linear_fake(x: Tensor, w: Tensor, b: Tensor | None, min_rows: int) -> Tensor:
+def _packed_linear_fake(x: Tensor, w: Tensor, b: Tensor | None, min_rows: int,
+                        panel_rows: int = 0) -> Tensor:
     torch._check(x.shape[-1] == w.shape[1], lambda: (
         f"sizebackend::packed_linear: x has {x.shape[-1]} features, w takes {w.shape[1]}"))
     return x.new_empty((*x.shape[:-1], w.shape[0]))

@@ -221,9 +221,12 @@ def test_a_measurement_is_taken_once_per_shape():
 def own_folder(tmp_path, monkeypatch):
     """Run-time packing answers written down in a folder of this test's own."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    packed_linear.runtime_min_rows.cache_clear()
+    cached = (packed_linear.runtime_min_rows, packed_linear._panel_rows)  # before a test pins one
+    for f in cached:
+        f.cache_clear()
     yield tmp_path
-    packed_linear.runtime_min_rows.cache_clear()
+    for f in cached:
+        f.cache_clear()
 
 
 @pytest.mark.parametrize("ratios, least", [
@@ -277,6 +280,49 @@ def test_the_run_time_measurement_is_taken_once_per_machine(own_folder, monkeypa
     monkeypatch.setattr(torch, "get_num_threads", lambda: 97)  # another thread count
     assert packed_linear.runtime_min_rows(32, 16) == 4
     assert len(measured) == 2 * len(packed_linear.RUNTIME_ROWS)
+
+
+@pytest.mark.parametrize("min_rows, ratios, most, asked", [
+    # The panels against what runs otherwise at each count: aten below oneDNN's rows.
+    (4, (0.5, 0.5, 0.5, 0.5, 0.5), 64, ["aten", "aten", "onednn", "onednn", "onednn"]),
+    (None, (0.5, 0.5, 0.5, 0.5, 0.5), 64, ["aten"] * 5),
+    (2, (0.5, 0.6, 0.8, 0.97, 0.5), 4, ["aten", "onednn", "onednn", "onednn"]),  # stops at a loss
+    (2, (0.96, 0.5, 0.5, 0.5, 0.5), 0, ["aten"]),  # not a win by the margin at 1 row: never
+])
+def test_run_time_panels_run_up_to_the_rows_they_win_at(own_folder, monkeypatch, min_rows, ratios,
+                                                        most, asked):
+    answers = dict(zip(packed_linear.RUNTIME_ROWS, ratios))
+    others = []
+
+    def ratio(rows, k, n, kernel, other):
+        assert kernel == "panels"
+        others.append(other)
+        return answers[rows]
+
+    monkeypatch.setattr(packed_linear, "runtime_min_rows", lambda k, n: min_rows)
+    monkeypatch.setattr(packed_linear, "_ratio", ratio)
+    assert packed_linear.runtime_panel_rows(32, 16) == most
+    assert others == asked
+    packed_linear._panel_rows.cache_clear()  # as a new process starts: read back
+    assert packed_linear.runtime_panel_rows(32, 16) == most and len(others) == len(asked)
+    monkeypatch.setenv("SIZEBACKEND_PANEL_LINEAR", "0")
+    assert packed_linear.runtime_panel_rows(32, 16) == 0
+
+
+def test_a_run_time_panel_measurement_is_a_real_ratio(own_folder, monkeypatch):
+    timed = []
+    measure = packed_linear._ratio
+
+    def spy(rows, k, n, kernel, other):
+        timed.append((rows, kernel, other, measure(rows, k, n, kernel, other)))
+        return timed[-1][-1]
+
+    monkeypatch.setattr(packed_linear, "runtime_min_rows", lambda k, n: None)
+    monkeypatch.setattr(packed_linear, "_ratio", spy)
+    most = packed_linear.runtime_panel_rows(64, 48)
+    assert timed and all(0 < r < float("inf") for *_, r in timed)
+    wins = [rows for rows, _, _, r in timed if r < packed_linear.PANEL_MARGIN]
+    assert most == (wins[-1] if wins else 0) and wins == [r for r, *_ in timed][:len(wins)]
 
 
 _CHILD = """
@@ -345,7 +391,10 @@ def test_real_defaults_compile_what_this_cpu_measured(real_defaults, own_folder,
     answers = {(k, n): packed_linear._least_rows([ratios[rows, k, n]
                                                   for rows in packed_linear.RUNTIME_ROWS])
                for k, n in shapes}
-    packed = sum(rows is not None for rows in answers.values())
+    # A general linear calls the op where oneDNN pays from some rows or the panels do
+    # up to some (that answer read back: measured once per machine).
+    packed = sum(answers[s] is not None or packed_linear.runtime_panel_rows(*s) > 0
+                 for s in shapes)
     # The size-4 piece froze its weights (no run-time packing there): the general piece's
     # linears alone call the op, one per shape the rule packs.
     assert "\n".join(code).count("torch.ops.sizebackend.packed_linear.default(") == packed

@@ -1,10 +1,11 @@
 """compile/linears.py: the linears of pieces compiled with their weights as inputs (the
-general pieces) call ``sizebackend::packed_linear``, oneDNN's GEMM on a copy of the
-weight packed at run time, where that is measured faster on this CPU; every change to a
-weight that its version counter shows is packed again, without a recompile.
+general pieces) call ``sizebackend::packed_linear``, oneDNN's GEMM (or ``panel_linear``
+for few rows) on a copy of the weight packed at run time, where that is measured faster
+on this CPU; every change to a weight that its version counter shows is packed again,
+without a recompile.
 
-Where to pack is a timing decision (``runtime_min_rows``): every test here fixes its
-answer and checks what each answer compiles to and computes."""
+Where to pack is a timing decision (``runtime_min_rows``, ``runtime_panel_rows``): every
+test here fixes its answers and checks what each answer compiles to and computes."""
 from __future__ import annotations
 
 import logging
@@ -18,6 +19,7 @@ import dynamo_sizebackend as sb
 from dynamo_sizebackend import _C
 from dynamo_sizebackend._torch import packed_linear
 from dynamo_sizebackend.cache import store
+from dynamo_sizebackend.compile import linears as linears_module
 
 from ..nets import TinyTransformer, batch
 from .test_frozen import (Net, assign_state_dict, load_state_dict, new_parameter, set_data,
@@ -41,9 +43,11 @@ def _own_compiles():
 
 @pytest.fixture
 def onednn_from(monkeypatch):
-    """Pin the measurement: oneDNN from ``rows`` rows on (``None``: never)."""
-    def pin(rows):
+    """Pin the measurements: oneDNN from ``rows`` rows on (``None``: never), the panels
+    from 1 to ``panels`` rows (0: never)."""
+    def pin(rows, panels=0):
         monkeypatch.setattr(packed_linear, "runtime_min_rows", lambda k, n: rows)
+        monkeypatch.setattr(packed_linear, "runtime_panel_rows", lambda k, n: panels)
     return pin
 
 
@@ -84,13 +88,40 @@ def test_general_pieces_run_packed_linears(onednn_from, caplog):
     assert sb.stats().calls == {"dynamic": 4, "4": 1}
 
 
+#: What the op runs in the tests that take both: oneDNN from 1 row, or the panels up to
+#: 64 rows (every call of these tests) with oneDNN never.
+KERNELS = {"onednn": (1, 0), "panels": (None, 64)}
+
+
+@pytest.mark.parametrize("onednn, packs_per_weight", [(None, 1), (2, 2)])
+@torch.no_grad()
+def test_general_pieces_run_panels_up_to_their_rows(onednn_from, onednn, packs_per_weight):
+    """Up to the panels' rows (here 32) a general piece's linears run ``panel_linear`` on
+    a copy packed at the first such call; above, oneDNN's copy from its rows (packed
+    then), or aten's linear where oneDNN never pays."""
+    onednn_from(onednn, 32)
+    model = TinyTransformer(layers=2).eval()
+    linears = _linears(model)
+    before = _packs()
+    compiled, code = _compile_and_call(model, batch(3))  # 24 rows
+    assert code.count(OP + "(") == 2 * linears
+    assert code.count(f", {linears_module.NEVER if onednn is None else onednn}, 32)") == 2 * linears
+    assert _packs() == before + linears  # each weight's panels, once
+    for n in (3, 5, 4, 7):  # 24, 40, 32, 56 rows
+        x = batch(n)
+        torch.testing.assert_close(compiled(x), model(x), **TOL)
+    assert _packs() == before + packs_per_weight * linears
+    assert sb.stats().compiles == {"dynamic": 3, "4": 3}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("change", [
     write_in_place, load_state_dict, write_through_view, set_data, new_parameter,
     assign_state_dict,
 ])
 @torch.no_grad()
-def test_every_change_of_a_weight_is_computed_with(onednn_from, change):
-    onednn_from(1)
+def test_every_change_of_a_weight_is_computed_with(onednn_from, change, kernel):
+    onednn_from(*KERNELS[kernel])
     model = Net().eval()
     compiled, code = _compile_and_call(model, torch.randn(3, 8))
     assert code.count(OP + "(") == 2  # general and size 4
@@ -103,9 +134,10 @@ def test_every_change_of_a_weight_is_computed_with(onednn_from, change):
     assert sb.stats().fallbacks == {}
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @torch.no_grad()
-def test_a_write_through_data_is_taken_after_weights_updated(onednn_from):
-    onednn_from(1)
+def test_a_write_through_data_is_taken_after_weights_updated(onednn_from, kernel):
+    onednn_from(*KERNELS[kernel])
     model = Net().eval()
     compiled, _ = _compile_and_call(model, torch.randn(3, 8))
     model.lin.weight.data.mul_(2.0)  # .data has a counter of its own: not seen
@@ -115,9 +147,11 @@ def test_a_write_through_data_is_taken_after_weights_updated(onednn_from):
     torch.testing.assert_close(compiled(x), model(x), **TOL)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @torch.no_grad()
-def test_real_defaults_pack_the_general_pieces_beside_the_frozen_sizes(real_defaults, onednn_from):
-    onednn_from(2)
+def test_real_defaults_pack_the_general_pieces_beside_the_frozen_sizes(real_defaults, onednn_from,
+                                                                       kernel):
+    onednn_from(*KERNELS[kernel])
     model = TinyTransformer(layers=1).eval()
     compiled, code = _compile_and_call(model, batch(3))
     assert code.count(OP + "(") == _linears(model)  # the general pieces only: size 4 froze
@@ -173,15 +207,17 @@ def test_left_alone_while_grad_mode_is_on(onednn_from):
     assert model.blocks[0].mlp[0].weight.grad is not None
 
 
-def test_left_alone_for_a_model_built_under_inference_mode(onednn_from):
-    onednn_from(2)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_left_alone_for_a_model_built_under_inference_mode(onednn_from, kernel):
+    onednn_from(*KERNELS[kernel])
     with torch.inference_mode():
         model = TinyTransformer(layers=1).eval()
         _left_alone(model, batch(3))
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @torch.no_grad()
-def test_hugging_face_generate_with_the_real_defaults(real_defaults, onednn_from):
+def test_hugging_face_generate_with_the_real_defaults(real_defaults, onednn_from, kernel):
     """README recipe 1 (``model.forward`` compiled, static cache) on a random-weight HF
     Llama: batch 3 is not listed and runs the general pieces, packed; then a checkpoint
     reload, which the packed copies must follow (the frozen sizes' side of a reload is
@@ -189,7 +225,7 @@ def test_hugging_face_generate_with_the_real_defaults(real_defaults, onednn_from
     pytest.importorskip("transformers")
     from ..models.test_hf_generate import counting_forward, generate, prompt, tiny_llama
 
-    onednn_from(1)
+    onednn_from(*KERNELS[kernel])
     model = tiny_llama()
     scenario = [prompt(2, 0), prompt(3, 0), prompt(3, 1)]
     expected = [generate(model, inputs, cache_implementation="static") for inputs in scenario]
