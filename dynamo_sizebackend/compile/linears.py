@@ -23,9 +23,13 @@ graph does not write (what :func:`.freeze.freezable_inputs` finds; never an infe
 tensor, which records no writes), float32 and 2-D, compiled with grad mode off, and whose
 shape ``(K, N)`` the op runs faster from some row count on
 (:func:`.._torch.packed_linear.runtime_min_rows`, measured once per shape and process;
-calls with fewer rows run aten's ``linear`` inside the op). Where the measurement finds
-no such count (MKL's sgemm is fast on the CPU) the graph is left as it is, keeping
-Inductor's own fusions. ``SIZEBACKEND_PACKED_LINEAR=torch`` leaves every linear alone.
+calls with fewer rows run aten's ``linear`` inside the op). Calls of 1 to
+:func:`.._torch.packed_linear.runtime_panel_rows` rows run ``sizebackend::panel_linear``
+(the frozen pieces' few-row GEMM) on a second copy, packed in panels at its first such
+call under the same check, where that is measured faster than what would run otherwise
+(``SIZEBACKEND_PANEL_LINEAR=0``: never). Where the measurements find neither (MKL's
+sgemm is fast on the CPU) the graph is left as it is, keeping Inductor's own fusions.
+``SIZEBACKEND_PACKED_LINEAR=torch`` leaves every linear alone.
 """
 from __future__ import annotations
 
