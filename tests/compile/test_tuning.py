@@ -308,13 +308,15 @@ class SwiGLU(torch.nn.Module):
 @torch.no_grad()
 def test_the_default_concatenates_linears_of_one_input(real_defaults, monkeypatch):
     # The CPU default concatenates frozen linears that share their input (gate and up
-    # here; q, k and v in attention) into one GEMM. Every static GEMM of a sized piece is
-    # measured by packed_linear (pinned here): the shapes it saw are the GEMMs compiled.
+    # here; q, k and v in attention) into one GEMM. Every static GEMM of a sized piece
+    # outside the C++ template's rows is asked first whether panel_linear wins (pinned
+    # here: no, so the libraries are asked next): the shapes asked are the GEMMs compiled.
     from dynamo_sizebackend._torch import packed_linear
 
     gemms = []
-    monkeypatch.setattr(packed_linear, "onednn_faster",
-                        lambda rows, k, n: gemms.append((rows, k, n)) or True)
+    monkeypatch.setattr(packed_linear, "panels_faster",
+                        lambda rows, k, n: gemms.append((rows, k, n)) or False)
+    monkeypatch.setattr(packed_linear, "onednn_faster", lambda rows, k, n: True)
     torch.manual_seed(0)
     model = SwiGLU().eval()
     compiled = torch.compile(model, backend="sizebackend",
