@@ -182,16 +182,8 @@ def runtime_min_rows(k: int, n: int) -> int | None:
     used, each process measures for itself."""
     if not torch.backends.mkldnn.is_available():
         return None
-    path = _remembered_path(k, n)
-    if path is None:
-        return _measure_min_rows(k, n)
-    with _machine_lock(path + ".lock"):
-        found = _read_rows(path)
-        if found is not _MISSING:
-            return found
-        rows = _measure_min_rows(k, n)
-        _write_rows(path, rows)
-        return rows
+    return _remembered(k, n, "", "min_rows", lambda v: v is None or _is_int(v),
+                       lambda: _measure_min_rows(k, n))
 
 
 _MISSING = object()
@@ -268,14 +260,26 @@ def _machine_lock(path: str):
             os.close(fd)
 
 
-def _read_rows(path: str) -> Any:
-    """The answer written at ``path`` (an int or ``None``), or :data:`_MISSING`."""
-    value = _read_answer(path, "min_rows")
-    return value if value is None or (isinstance(value, int) and not isinstance(value, bool)) else _MISSING
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _write_rows(path: str, rows: int | None) -> None:
-    _write_answer(path, "min_rows", rows)
+def _remembered(k: int, n: int, what: str, name: str, valid: Callable[[Any], bool],
+                measure: Callable[[], Any]) -> Any:
+    """The answer to ``what`` (empty for :func:`runtime_min_rows`'s) for ``k x n`` on this
+    machine: read back where another process wrote a ``valid`` one down under ``name``,
+    else measured under the lock and written down (measured here alone where there is
+    no folder to write it in)."""
+    path = _remembered_path(k, n, what)
+    if path is None:
+        return measure()
+    with _machine_lock(path + ".lock"):
+        found = _read_answer(path, name)
+        if found is not _MISSING and valid(found):
+            return found
+        value = measure()
+        _write_answer(path, name, value)
+        return value
 
 
 def _read_answer(path: str, name: str) -> Any:
@@ -313,16 +317,8 @@ def runtime_panel_rows(k: int, n: int) -> int:
 @functools.lru_cache(maxsize=None)
 def _panel_rows(k: int, n: int) -> int:
     min_rows = runtime_min_rows(k, n)
-    path = _remembered_path(k, n, f"panel rows, oneDNN from {min_rows}")
-    if path is None:
-        return _measure_panel_rows(k, n, min_rows)
-    with _machine_lock(path + ".lock"):
-        found = _read_answer(path, "panel_rows")
-        if isinstance(found, int) and not isinstance(found, bool) and found >= 0:
-            return found
-        rows = _measure_panel_rows(k, n, min_rows)
-        _write_answer(path, "panel_rows", rows)
-        return rows
+    return _remembered(k, n, f"panel rows, oneDNN from {min_rows}", "panel_rows",
+                       lambda v: _is_int(v) and v >= 0, lambda: _measure_panel_rows(k, n, min_rows))
 
 
 def _measure_panel_rows(k: int, n: int, min_rows: int | None) -> int:
@@ -463,16 +459,8 @@ def panels_faster(rows: int, k: int, n: int) -> bool:
     other processes): a server's processes, the package worker among them, then run one
     kernel per shape, so the JIT piece a size serves first and the package that replaces
     it give the same bits, whichever process built what."""
-    path = _remembered_path(k, n, f"panels at {rows} rows")
-    if path is None:
-        return _measure_panels(rows, k, n)
-    with _machine_lock(path + ".lock"):
-        found = _read_answer(path, "panels")
-        if isinstance(found, bool):
-            return found
-        faster = _measure_panels(rows, k, n)
-        _write_answer(path, "panels", faster)
-        return faster
+    return _remembered(k, n, f"panels at {rows} rows", "panels", lambda v: isinstance(v, bool),
+                       lambda: _measure_panels(rows, k, n))
 
 
 def _measure_panels(rows: int, k: int, n: int) -> bool:
