@@ -208,7 +208,7 @@ def test_left_alone_while_grad_mode_is_on(onednn_from):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_left_alone_for_a_model_built_under_inference_mode(onednn_from, kernel):
+def test_left_alone_for_a_model_built_under_inference_mode(real_defaults, onednn_from, kernel):
     onednn_from(*KERNELS[kernel])
     with torch.inference_mode():
         model = TinyTransformer(layers=1).eval()
