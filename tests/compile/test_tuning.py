@@ -190,6 +190,10 @@ def test_the_default_tuning_benchmarks_no_gemm_that_measurement_decided(monkeypa
     and at 8 rows with these 16 x 16 weights, only the C++ template and at 32 rows only
     ATen are built, nothing is benchmarked; with ``prune_autotune=False`` 2 rows
     benchmark both."""
+    from dynamo_sizebackend._torch import packed_linear
+
+    # Autotune's candidates only: a GEMM panel_linear wins never reaches autotune.
+    monkeypatch.setattr(packed_linear, "panels_faster", lambda rows, k, n: False)
     from torch._inductor import select_algorithm
 
     monkeypatch.delenv("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS")
@@ -230,6 +234,10 @@ def test_the_default_tuning_benchmarks_no_gemm_that_measurement_decided(monkeypa
 def test_the_default_tuning_builds_8_row_candidates_with_the_precompiled_header(monkeypatch):
     """The real CPU default at 8 rows and 256 x 256 weights, where pruning keeps both
     kinds: the template candidates it benchmarks are built with the precompiled header."""
+    from dynamo_sizebackend._torch import packed_linear
+
+    # Autotune's candidates only: a GEMM panel_linear wins never reaches autotune.
+    monkeypatch.setattr(packed_linear, "panels_faster", lambda rows, k, n: False)
     from torch._inductor import select_algorithm
 
     monkeypatch.delenv("SIZEBACKEND_SIZED_INDUCTOR_OPTIONS")
