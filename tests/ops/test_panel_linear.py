@@ -4,6 +4,10 @@ has. Checked against aten's linear on every tile shape the kernel has (one to th
 rows take 4 panels a tile, up to 15 one panel, 16 and more 2 panels of 8-row tiles on
 AVX-512), column counts that do not fill the last panel, and the instruction set ATen's
 CPU capability picks (CI's second pass runs the baseline copy)."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -52,6 +56,35 @@ def test_threads_split_the_panels_without_changing_a_bit(threads):
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(one, F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+_ISA_CHILD = """
+import torch, torch.nn.functional as F
+from dynamo_sizebackend import _C
+worst = 0.0
+for rows in (1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 16, 17, 33):
+    for k, n in ((37, 50), (256, 72), (64, 200), (5, 3)):
+        g = torch.Generator().manual_seed(rows * 1000 + n)
+        x, w, b = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        packed = torch.ops.sizebackend.pack_panels(w)
+        for bias in (b, None):
+            got = torch.ops.sizebackend.panel_linear(x, packed, bias, n)
+            torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-4, atol=1e-4)
+print(_C.attention_isa())
+"""
+
+
+@pytest.mark.parametrize("capability", ["avx2", "default"])
+def test_matches_aten_linear_in_each_copy(capability):
+    # Each instruction set's copy computes in its own vector width (a 64-byte vector type
+    # under AVX2 compiled to scalar code, 14x slower): every tile and remainder shape, a
+    # partly filled last panel, with and without bias, under ATEN_CPU_CAPABILITY (on a
+    # CPU without AVX2 both runs pick the baseline copy).
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+    out = subprocess.run([sys.executable, "-c", _ISA_CHILD], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] in (capability, "default")
 
 
 def test_leading_dims_and_strided_rows():
