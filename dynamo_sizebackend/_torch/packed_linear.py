@@ -218,10 +218,31 @@ def _least_rows(ratios: list[float]) -> int | None:
     return least if pays else None
 
 
+@functools.cache
+def _kernels_id() -> str:
+    """The build of our kernels (a hash of the extension library, read once a process):
+    answers written down by another build, whose panel kernel may be faster or slower,
+    are measured again (the AVX2 copy of 2026-12-07 ran 12x faster than the one before)."""
+    import hashlib
+
+    from .. import _C
+
+    h = hashlib.sha256()
+    try:
+        with open(_C.__file__, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    except (OSError, AttributeError):
+        return "unknown"
+    return h.hexdigest()
+
+
 def _remembered_path(k: int, n: int, what: str = "") -> str | None:
     """Where the answer for ``k x n`` on this machine is written down (``what``: which
     question, empty for :func:`runtime_min_rows`'s); ``None`` without a CPU description
-    to key it on."""
+    to key it on. The key holds what decides the timings: the CPU, torch, the thread
+    count, ATen's CPU capability (``ATEN_CPU_CAPABILITY`` picks aten's kernels and our
+    panels' copy), our kernels' build and the rule's constants."""
     import hashlib
 
     from .inductor import inductor_cache_dir
@@ -231,7 +252,8 @@ def _remembered_path(k: int, n: int, what: str = "") -> str | None:
     if cpu is None:
         return None
     h = hashlib.sha256()
-    for part in (cpu, torch.__version__, str(torch.get_num_threads()), str(RUNTIME_ROWS),
+    for part in (cpu, torch.__version__, str(torch.get_num_threads()),
+                 torch.backends.cpu.get_cpu_capability(), _kernels_id(), str(RUNTIME_ROWS),
                  str(MARGIN), str(PANEL_MARGIN), RULE, str(BUDGET_S), str(ROUNDS), f"{k}x{n}"):
         h.update(b"\0" + part.encode())
     if what:

@@ -4,6 +4,8 @@ else. And the row count from which an unfrozen piece's linears run on weights pa
 at run time (compile/linears.py). The measurement itself is timing, so these tests fix its answer and check what
 each answer compiles to, through the backend with its real defaults; one leaves it to
 this CPU and checks that what was measured is what compiled."""
+import hashlib
+
 import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
@@ -280,6 +282,26 @@ def test_the_run_time_measurement_is_taken_once_per_machine(own_folder, monkeypa
     monkeypatch.setattr(torch, "get_num_threads", lambda: 97)  # another thread count
     assert packed_linear.runtime_min_rows(32, 16) == 4
     assert len(measured) == 2 * len(packed_linear.RUNTIME_ROWS)
+    packed_linear.runtime_min_rows.cache_clear()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")  # ATen's copy
+    assert packed_linear.runtime_min_rows(32, 16) == 4
+    assert len(measured) == 3 * len(packed_linear.RUNTIME_ROWS)
+    packed_linear.runtime_min_rows.cache_clear()
+    monkeypatch.setattr(packed_linear, "_kernels_id", lambda: "another build")  # our kernels
+    assert packed_linear.runtime_min_rows(32, 16) == 4
+    assert len(measured) == 4 * len(packed_linear.RUNTIME_ROWS)
+    packed_linear.runtime_min_rows.cache_clear()  # the same again: read back
+    assert packed_linear.runtime_min_rows(32, 16) == 4
+    assert len(measured) == 4 * len(packed_linear.RUNTIME_ROWS)
+
+
+def test_the_kernels_build_is_read_from_the_library():
+    from dynamo_sizebackend import _C
+
+    first = packed_linear._kernels_id()
+    assert len(first) == 64 and first == packed_linear._kernels_id()
+    with open(_C.__file__, "rb") as f:
+        assert first == hashlib.sha256(f.read()).hexdigest()
 
 
 @pytest.mark.parametrize("min_rows, ratios, most, asked", [
