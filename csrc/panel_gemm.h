@@ -8,9 +8,12 @@
 //
 // One tile is R rows by P panels: R x P accumulators of 16 floats held in registers over
 // the whole K loop, each step loading P panel rows once and broadcasting one x value per
-// row. SIZEBACKEND_TILE_ROWS and SIZEBACKEND_WIDE_ROWS size the tiles to the registers
-// of the instruction set (32 of 64 bytes with AVX-512: 3 rows x 4 panels for one to three
-// rows, 16 rows x 1 panel for a few more, 8 x 2 from 16 rows; 16 of 32 bytes with AVX2: 6 x 1; 16 of 16 bytes: 2 x 1).
+// row. SIZEBACKEND_TILE_ROWS, SIZEBACKEND_WIDE_ROWS and SIZEBACKEND_FEW_ROWS_PANELS size
+// the tiles to the registers of the instruction set (32 of 64 bytes with AVX-512: 3 rows
+// x 4 panels for one to three rows, 16 rows x 1 panel for a few more, 8 x 2 from 16 rows;
+// 16 of 32 bytes with AVX2: 3 x 2 for one to three rows, 6 x 1 for more; 16 of 16 bytes:
+// 2 x 1). AVX2 at one to three rows, 256 x 1024 in L2 (same CPU as below): 3 x 2 tiles
+// 14.2 / 13.7 / 16.5 us, 6 x 1 tiles 17.9 / 18.4 / 19.0, 3 x 4 (spilling) 14.5 / 16.4 / 24.7.
 //
 // SIZEBACKEND_VECTOR_BYTES is the instruction set's vector (64, 32 or 16 bytes): 16 floats
 // are 1, 2 or 4 of them. GCC lowers a vector wider than the target has to scalar code:
@@ -144,11 +147,13 @@ static void panel_gemm(const float* x, int64_t ldx, const float* packed, int64_t
   constexpr int kRows = SIZEBACKEND_TILE_ROWS;
   constexpr int kWideRows = SIZEBACKEND_WIDE_ROWS;
   int64_t p = first;
-  if (kWideRows > 0 && rows <= 3) {
-    // One to three rows: 4 panels a tile, else one accumulator chain per row waits on
+  constexpr int kFew = SIZEBACKEND_FEW_ROWS_PANELS;
+  if (kFew > 1 && rows <= 3) {
+    // One to three rows: kFew panels a tile, else one accumulator chain per row waits on
     // its own multiply-add latency at every step (one row: 23 GFLOP/s with one panel).
-    for (; p + 4 <= last; p += 4) {
-      panel_column<3, 4>(x, ldx, packed, k_len, bias, out, ldo, rows, n, p, last);
+    for (; p + kFew <= last; p += kFew) {
+      panel_column<3, (kFew > 1 ? kFew : 1)>(x, ldx, packed, k_len, bias, out, ldo, rows, n, p,
+                                            last);
     }
   }
   if (kWideRows > 0 && rows >= 2 * kWideRows) {

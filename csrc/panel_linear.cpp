@@ -22,12 +22,14 @@
 // The loops, once per instruction set.
 #define SIZEBACKEND_TILE_ROWS 2
 #define SIZEBACKEND_WIDE_ROWS 0
+#define SIZEBACKEND_FEW_ROWS_PANELS 0
 #define SIZEBACKEND_VECTOR_BYTES 16
 namespace sizebackend::panel_default {
 #include "panel_gemm.h"
 }  // namespace sizebackend::panel_default
 #undef SIZEBACKEND_TILE_ROWS
 #undef SIZEBACKEND_WIDE_ROWS
+#undef SIZEBACKEND_FEW_ROWS_PANELS
 #undef SIZEBACKEND_VECTOR_BYTES
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define SIZEBACKEND_PANEL_X86_COPIES 1
@@ -35,6 +37,7 @@ namespace sizebackend::panel_default {
 #pragma GCC target("avx2,fma")
 #define SIZEBACKEND_TILE_ROWS 6
 #define SIZEBACKEND_WIDE_ROWS 0
+#define SIZEBACKEND_FEW_ROWS_PANELS 2
 #define SIZEBACKEND_VECTOR_BYTES 32
 #define SIZEBACKEND_PANEL_PREFETCH 1
 namespace sizebackend::panel_avx2 {
@@ -43,12 +46,14 @@ namespace sizebackend::panel_avx2 {
 #undef SIZEBACKEND_PANEL_PREFETCH
 #undef SIZEBACKEND_TILE_ROWS
 #undef SIZEBACKEND_WIDE_ROWS
+#undef SIZEBACKEND_FEW_ROWS_PANELS
 #undef SIZEBACKEND_VECTOR_BYTES
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,prefer-vector-width=512")
 #define SIZEBACKEND_TILE_ROWS 16
 #define SIZEBACKEND_WIDE_ROWS 8
+#define SIZEBACKEND_FEW_ROWS_PANELS 4
 #define SIZEBACKEND_VECTOR_BYTES 64
 #define SIZEBACKEND_PANEL_PREFETCH 1
 namespace sizebackend::panel_avx512 {
@@ -58,6 +63,7 @@ namespace sizebackend::panel_avx512 {
 #undef SIZEBACKEND_VECTOR_BYTES
 #undef SIZEBACKEND_TILE_ROWS
 #undef SIZEBACKEND_WIDE_ROWS
+#undef SIZEBACKEND_FEW_ROWS_PANELS
 #pragma GCC pop_options
 #endif
 
