@@ -1,9 +1,10 @@
 """sizebackend::pack_panels and sizebackend::panel_linear: a float32 linear on a weight
 packed once in panels of 16 output columns, for the row counts a frozen sized piece
 has. Checked against aten's linear on every tile shape the kernel has (one to three
-rows take 4 panels a tile, up to 15 one panel, 16 and more 2 panels of 8-row tiles on
-AVX-512), column counts that do not fill the last panel, and the instruction set ATen's
-CPU capability picks (CI's second pass runs the baseline copy)."""
+rows take 4 panels a tile on AVX-512 and 2 on AVX2, up to 15 one panel, 16 and more 2
+panels of 8-row tiles on AVX-512), column counts that do not fill the last panel, and
+the instruction set ATen's CPU capability picks (CI's second pass runs the baseline
+copy, its third the AVX2 copy; test_matches_aten_linear_in_each_copy runs both here)."""
 import os
 import subprocess
 import sys
@@ -61,7 +62,6 @@ def test_threads_split_the_panels_without_changing_a_bit(threads):
 _ISA_CHILD = """
 import torch, torch.nn.functional as F
 from dynamo_sizebackend import _C
-worst = 0.0
 for rows in (1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 16, 17, 33):
     for k, n in ((37, 50), (256, 72), (64, 200), (5, 3)):
         g = torch.Generator().manual_seed(rows * 1000 + n)
